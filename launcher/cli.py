@@ -1,0 +1,53 @@
+"""The `rl` command: a thin Hydra entry that composes the run and calls `launch`.
+
+Config errors (an unknown option, key or type, a cross-group contradiction) end in one line
+on stderr naming the key and what is valid, with a non-zero exit and nothing started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from rl.config import register
+
+register()
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_entry(cfg: DictConfig) -> None:
+    from launcher.errors import ConfigError
+    from launcher.plan import PlanError
+    from launcher.run import launch
+
+    try:
+        launch(cfg)
+    except (ConfigError, PlanError) as err:
+        # SystemExit passes through Hydra's job wrapper without its multi-line report.
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)
+
+
+def main() -> None:
+    """Console entry point of `rl`."""
+    from launcher.errors import one_line
+
+    # Let composition errors reach us so they can be reported in one line.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        _hydra_entry()
+    except Exception as err:  # noqa: BLE001 - only config errors are summarised
+        message = one_line(err)
+        if message is None:
+            raise
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

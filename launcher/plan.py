@@ -1,0 +1,505 @@
+"""Run planning: one pure function from a composed config to every process of the run.
+
+All cross-group checks and derived values live here (trainer world size, nodes sized from
+memory, vLLM arguments per replica), so a bad combination fails before anything starts and the
+plan a dry run prints is exactly what the launcher executes. No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rl.config import Backend, ClusterKind
+
+# Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
+# fp32 gradients (4 B) and two AdamW moments (8 B).
+TRAIN_BYTES_PER_PARAM = 16
+# Share of GPU memory the sharded training state may take; the rest holds activations.
+TRAIN_MEMORY_FRACTION = 0.8
+# Share of a replica's GPU memory its weights may take; the rest is KV cache.
+INFERENCE_WEIGHT_FRACTION = 0.8
+# Fewest tokens per context-parallel rank for which splitting a sequence pays off.
+MIN_TOKENS_PER_CP_RANK = 64
+ENVIRONMENTS = ("reverse_text",)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+class PlanError(ValueError):
+    """A config that cannot run; the message names the key and what would be valid."""
+
+
+@dataclass
+class Process:
+    """One process the launcher starts."""
+
+    role: str
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    job: str = "local"
+    nodes: int = 1
+    gpus_per_node: int = 0
+
+
+@dataclass
+class Job:
+    """One Slurm job: a role group with its resources."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int
+    mem_gb: int
+    time_min: int
+    partition: str | None
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    sbatch_extra: dict[str, Any]
+
+
+@dataclass
+class RunPlan:
+    """Every process of a run, where it runs, and the values derived for it."""
+
+    run_name: str
+    cluster: str
+    backend: str
+    processes: list[Process]
+    jobs: list[Job]
+    trainer_world_size: int
+    mesh: dict[str, int]
+    lr: float
+    batch_size: int
+    notes: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def role(self, role: str) -> list[Process]:
+        return [p for p in self.processes if p.role == role]
+
+
+def _fail(key: str, message: str) -> None:
+    raise PlanError(f"{key}: {message}")
+
+
+def _trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
+    """Trainer degrees with dp_shard=-1 resolved; checks the ranks fit the trainer's nodes."""
+    par, cluster = cfg.parallel.trainer, cfg.cluster
+    for key in ("dp_replicate", "cp", "tp", "ep"):
+        if par[key] < 1:
+            _fail(f"parallel.trainer.{key}={par[key]}", "must be >= 1")
+    if par.dp_shard == 0 or par.dp_shard < -1:
+        _fail(f"parallel.trainer.dp_shard={par.dp_shard}", "must be >= 1, or -1 to fill")
+    fixed = par.dp_replicate * par.cp * par.tp
+    # On CPU the degrees alone say how many ranks there are; on GPUs -1 fills every GPU.
+    capacity = trainer_nodes * cluster.gpus_per_node
+    if par.dp_shard != -1:
+        dp_shard = par.dp_shard
+    elif cluster.gpus_per_node == 0:
+        dp_shard = 1
+    else:
+        dp_shard = capacity // fixed
+    world = fixed * dp_shard
+    if cluster.gpus_per_node and (
+        dp_shard < 1 or world % trainer_nodes or world // trainer_nodes > cluster.gpus_per_node
+    ):
+        _fail(
+            "parallel.trainer",
+            f"dp_replicate x dp_shard x cp x tp = {par.dp_replicate} x {par.dp_shard} x "
+            f"{par.cp} x {par.tp} ranks do not split evenly over {trainer_nodes} node(s) of "
+            f"{cluster.gpus_per_node} GPUs; use dp_shard=-1 to fill them",
+        )
+    if par.tp > max(cluster.gpus_per_node, 1):
+        _fail(
+            f"parallel.trainer.tp={par.tp}",
+            f"tensor parallelism stays inside a node of {cluster.gpus_per_node} GPUs",
+        )
+    if (dp_shard * par.cp) % par.ep:
+        _fail(
+            f"parallel.trainer.ep={par.ep}",
+            f"must divide dp_shard x cp = {dp_shard} x {par.cp} (EP borrows those ranks)",
+        )
+    return {
+        "dp_replicate": par.dp_replicate,
+        "dp_shard": dp_shard,
+        "cp": par.cp,
+        "tp": par.tp,
+        "ep": par.ep,
+        "world": world,
+    }
+
+
+def _check_model_fit(cfg: DictConfig) -> None:
+    model, par, env = cfg.model, cfg.parallel, cfg.environment
+    if not model.num_experts:
+        for key, value in (
+            ("parallel.trainer.ep", par.trainer.ep > 1),
+            ("parallel.inference.expert_parallel", par.inference.expert_parallel),
+        ):
+            if value:
+                _fail(
+                    f"{key}={par.trainer.ep if 'ep' in key else 'true'}",
+                    f"expert parallelism needs an MoE model; model={model.name} is dense "
+                    f"(choose parallel=single, fsdp, hsdp, cp2, tp or dp)",
+                )
+    elif model.num_experts % par.trainer.ep:
+        _fail(
+            f"parallel.trainer.ep={par.trainer.ep}",
+            f"must divide model={model.name}'s {model.num_experts} experts",
+        )
+    if par.trainer.cp > 1 and env.max_tokens < par.trainer.cp * MIN_TOKENS_PER_CP_RANK:
+        _fail(
+            f"parallel.trainer.cp={par.trainer.cp}",
+            f"environment.max_tokens={env.max_tokens} is too short to split: context "
+            f"parallelism needs >= {MIN_TOKENS_PER_CP_RANK} tokens per rank "
+            f"(max_tokens >= {par.trainer.cp * MIN_TOKENS_PER_CP_RANK}) or cp=1",
+        )
+    max_len = model.inference.max_model_len or model.context_length
+    if env.max_tokens >= max_len:
+        _fail(
+            f"environment.max_tokens={env.max_tokens}",
+            f"must be below model={model.name}'s served length {max_len}",
+        )
+
+
+def _trainer_nodes(cfg: DictConfig) -> int:
+    """Nodes for the trainer: as configured, or (nodes=0) the fewest that hold its state."""
+    model, cluster, par = cfg.model, cfg.cluster, cfg.parallel.trainer
+    if cluster.gpus_per_node == 0 or cluster.gpu_memory_gb == 0:
+        return max(par.nodes, 1)
+    state_gb = model.total_params_b * TRAIN_BYTES_PER_PARAM
+    usable_per_node = cluster.gpus_per_node * cluster.gpu_memory_gb * TRAIN_MEMORY_FRACTION
+    needed = math.ceil(state_gb / usable_per_node)
+    needed *= par.dp_replicate  # every replica holds a full sharded copy
+    if par.nodes == 0:
+        return max(needed, 1)
+    if par.nodes < needed:
+        _fail(
+            f"parallel.trainer.nodes={par.nodes}",
+            f"model={model.name} needs ~{state_gb / 1000:.1f} TB of training state "
+            f"({TRAIN_BYTES_PER_PARAM} B/param) per replica; {par.nodes} nodes of "
+            f"{cluster.gpus_per_node} x {cluster.gpu_memory_gb:g} GB hold "
+            f"{par.nodes * usable_per_node / par.dp_replicate / 1000:.1f} TB; use nodes>={needed} "
+            f"or nodes=0 to size automatically",
+        )
+    return par.nodes
+
+
+def _check_trainer_memory(cfg: DictConfig, mesh: dict[str, int]) -> None:
+    """Each rank holds 1/(dp_shard x cp x tp) of the training state."""
+    gpu_gb = cfg.cluster.gpu_memory_gb
+    if not (cfg.cluster.gpus_per_node and gpu_gb):
+        return
+    shards = mesh["world"] // mesh["dp_replicate"]
+    per_rank = cfg.model.total_params_b * TRAIN_BYTES_PER_PARAM / shards
+    if per_rank > gpu_gb * TRAIN_MEMORY_FRACTION:
+        _fail(
+            f"parallel={cfg.parallel.name}",
+            f"model={cfg.model.name} puts ~{per_rank:.0f} GB of training state on each of "
+            f"{shards} shards, over {TRAIN_MEMORY_FRACTION:.0%} of a {gpu_gb:g} GB GPU; "
+            f"use more trainer ranks (e.g. parallel=fsdp, or ep8 for MoE)",
+        )
+
+
+def _serve_bytes_per_param(cfg: DictConfig) -> int:
+    return DTYPE_BYTES[cfg.model.inference.quantization or cfg.model.dtype]
+
+
+def _replica_nodes(cfg: DictConfig) -> int:
+    """Nodes per inference replica: as configured, or (0) the fewest that hold the weights."""
+    model, cluster, inf = cfg.model, cfg.cluster, cfg.parallel.inference
+    if cluster.gpus_per_node == 0 or cluster.gpu_memory_gb == 0:
+        return max(inf.nodes_per_replica, 1)
+    weights_gb = model.total_params_b * _serve_bytes_per_param(cfg)
+    usable = cluster.gpus_per_node * cluster.gpu_memory_gb * INFERENCE_WEIGHT_FRACTION
+    needed = math.ceil(weights_gb / usable)
+    if inf.nodes_per_replica == 0:
+        return needed
+    per_replica_gpus = inf.tp * max(inf.dp, 1) if inf.dp != -1 else cluster.gpus_per_node
+    capacity = per_replica_gpus * inf.nodes_per_replica * cluster.gpu_memory_gb
+    if weights_gb > capacity * INFERENCE_WEIGHT_FRACTION:
+        _fail(
+            "parallel.inference",
+            f"model={model.name} serves ~{weights_gb:.0f} GB of weights but a replica of "
+            f"{inf.nodes_per_replica} node(s) x {per_replica_gpus} GPUs x "
+            f"{cluster.gpu_memory_gb:g} GB leaves {capacity * INFERENCE_WEIGHT_FRACTION:.0f} GB "
+            f"for them; raise tp/dp, set nodes_per_replica={needed} or 0 to size automatically",
+        )
+    return inf.nodes_per_replica
+
+
+def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[str]:
+    """Arguments of vLLM's OpenAI server for one replica of this model and layout."""
+    model, inf, cluster = cfg.model, cfg.parallel.inference, cfg.cluster
+    serve = model.inference
+    gpus = max(cluster.gpus_per_node, 1)
+    dp = gpus // inf.tp if inf.dp == -1 else inf.dp
+    args = ["--model", model.path or model.hf_id or model.name, "--served-model-name", model.name]
+    args += ["--tensor-parallel-size", str(inf.tp)]
+    if dp > 1 or inf.expert_parallel:
+        args += ["--data-parallel-size", str(dp * replica_nodes)]
+        if replica_nodes > 1:
+            args += ["--data-parallel-size-local", str(dp)]
+    elif replica_nodes > 1:
+        args += ["--pipeline-parallel-size", str(replica_nodes)]
+    if inf.expert_parallel:
+        args.append("--enable-expert-parallel")
+    args += ["--dtype", "float32" if cluster.gpus_per_node == 0 else model.dtype]
+    args += ["--max-model-len", str(serve.max_model_len or model.context_length)]
+    if cluster.gpus_per_node:
+        args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
+    else:
+        args.append("--enforce-eager")
+    if serve.quantization:
+        args += ["--quantization", serve.quantization]
+    if serve.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", serve.kv_cache_dtype]
+    if serve.speculative_method and serve.num_speculative_tokens:
+        spec = {"method": serve.speculative_method, "num_speculative_tokens": 0}
+        spec["num_speculative_tokens"] = serve.num_speculative_tokens
+        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if serve.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", serve.tool_call_parser]
+    if serve.reasoning_parser:
+        args += ["--reasoning-parser", serve.reasoning_parser]
+    if serve.trust_remote_code:
+        args.append("--trust-remote-code")
+    if kv_role:
+        transfer = {"kv_connector": serve.kv_connector, "kv_role": kv_role}
+        args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return args
+
+
+def _check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> None:
+    cluster, inf = cfg.cluster, cfg.parallel.inference
+    gpus = cluster.gpus_per_node
+    if inf.replicas < 1:
+        _fail(f"parallel.inference.replicas={inf.replicas}", "must be >= 1")
+    if inf.tp < 1 or inf.dp == 0 or inf.dp < -1:
+        _fail("parallel.inference", f"tp={inf.tp}, dp={inf.dp}: tp >= 1 and dp >= 1 or -1")
+    if gpus == 0:
+        if inf.tp > 1 or inf.dp > 1:
+            _fail(
+                f"parallel.inference.tp={inf.tp}",
+                f"tp and dp split GPUs; cluster={cluster.name} has cluster.gpus_per_node=0 "
+                f"(set it, or use parallel=single)",
+            )
+    else:
+        if gpus % inf.tp:
+            _fail(
+                f"parallel.inference.tp={inf.tp}",
+                f"must divide the {gpus} GPUs per node of cluster={cluster.name}",
+            )
+        if inf.dp != -1 and inf.tp * inf.dp > gpus:
+            _fail(
+                "parallel.inference",
+                f"tp x dp = {inf.tp} x {inf.dp} exceeds the {gpus} GPUs per node of "
+                f"cluster={cluster.name}",
+            )
+    if cluster.kind == ClusterKind.local:
+        if trainer_nodes > 1 or replica_nodes > 1 or cluster.nodes != 1:
+            _fail(
+                "cluster=local",
+                f"runs on one node but the plan needs {trainer_nodes} trainer and "
+                f"{replica_nodes} node(s) per inference replica; use cluster=slurm",
+            )
+        trainer_gpus = _trainer_mesh(cfg, trainer_nodes)["world"] if gpus else 0
+        inference_gpus = inf.replicas * _replica_gpus(cfg)
+        if gpus and trainer_gpus + inference_gpus > gpus:
+            _fail(
+                "cluster.gpus_per_node",
+                f"trainer ({trainer_gpus}) + inference ({inference_gpus}) GPUs exceed the "
+                f"{gpus} this machine declares",
+            )
+    else:
+        used = trainer_nodes + inf.replicas * replica_nodes * _pd_factor(cfg)
+        if used > cluster.nodes:
+            _fail(
+                "cluster.nodes",
+                f"the run needs {used} GPU nodes ({trainer_nodes} trainer + "
+                f"{inf.replicas * _pd_factor(cfg)} inference replicas x {replica_nodes}) but "
+                f"cluster={cluster.name} declares {cluster.nodes}",
+            )
+
+
+def _replica_gpus(cfg: DictConfig) -> int:
+    inf, gpus = cfg.parallel.inference, cfg.cluster.gpus_per_node
+    if gpus == 0:
+        return 0
+    return gpus if inf.dp == -1 else inf.tp * inf.dp
+
+
+def _pd_factor(cfg: DictConfig) -> int:
+    """Disaggregated serving runs a prefill and a decode instance per replica."""
+    return 2 if _disaggregated(cfg) else 1
+
+
+def _disaggregated(cfg: DictConfig) -> bool:
+    return bool(cfg.model.inference.pd_disaggregation) and cfg.cluster.kind == ClusterKind.slurm
+
+
+def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: int) -> Job:
+    c = cfg.cluster
+    return Job(
+        name=name,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        cpus_per_task=cpus,
+        mem_gb=mem_gb,
+        time_min=c.time_min,
+        partition=c.partition,
+        account=c.account,
+        qos=c.qos,
+        constraint=c.constraint,
+        sbatch_extra=dict(c.sbatch_extra),
+    )
+
+
+def plan(cfg: DictConfig) -> RunPlan:
+    """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key."""
+    if cfg.environment.name not in ENVIRONMENTS:
+        _fail(f"environment.name={cfg.environment.name}", f"valid: {', '.join(ENVIRONMENTS)}")
+    if cfg.max_steps < 1:
+        _fail(f"max_steps={cfg.max_steps}", "must be >= 1")
+    if cfg.environment.group_size < 2:
+        _fail(f"environment.group_size={cfg.environment.group_size}", "needs >= 2 for a baseline")
+    algo = cfg.algorithm
+    if algo.async_level < 0 or algo.max_off_policy_steps < algo.async_level:
+        _fail(
+            f"algorithm.async_level={cfg.algorithm.async_level}",
+            f"must be >= 0 and <= algorithm.max_off_policy_steps="
+            f"{cfg.algorithm.max_off_policy_steps}",
+        )
+    _check_model_fit(cfg)
+    trainer_nodes = _trainer_nodes(cfg)
+    replica_nodes = _replica_nodes(cfg)
+    mesh = _trainer_mesh(cfg, trainer_nodes)
+    _check_trainer_memory(cfg, mesh)
+    _check_cluster(cfg, trainer_nodes, replica_nodes)
+
+    slurm = cfg.cluster.kind == ClusterKind.slurm
+    gpus = cfg.cluster.gpus_per_node
+    run_args = ["--run-dir", "${RELAY_RUN_DIR}"]
+    processes: list[Process] = [
+        Process("queue", "queue", ["python", "-m", "rl.queue", *run_args], job="control"),
+        Process(
+            "orchestrator",
+            "orchestrator",
+            ["python", "-m", "rl.orchestrator", *run_args],
+            job="control",
+        ),
+    ]
+    backend = cfg.inference.backend or (Backend.vllm if gpus else Backend.embedded)
+    kv_roles = ["kv_producer", "kv_consumer"] if _disaggregated(cfg) else [None]
+    replica_gpus = gpus if slurm else _replica_gpus(cfg)
+    for i in range(cfg.parallel.inference.replicas):
+        for kv_role in kv_roles:
+            suffix = {None: "", "kv_producer": "-prefill", "kv_consumer": "-decode"}[kv_role]
+            argv = ["python", "-m", "rl.inference", *run_args, "--replica", str(i)]
+            if backend == Backend.vllm:
+                argv += ["--", *vllm_args(cfg, replica_nodes, kv_role)]
+            processes.append(
+                Process(
+                    "inference",
+                    f"inference-{i}{suffix}",
+                    argv,
+                    job="inference",
+                    nodes=replica_nodes,
+                    gpus_per_node=replica_gpus,
+                )
+            )
+    per_node = mesh["world"] // trainer_nodes
+    torchrun = ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(per_node)]
+    if trainer_nodes > 1 or slurm:
+        torchrun += [
+            "--nnodes",
+            str(trainer_nodes),
+            "--node-rank",
+            "${SLURM_NODEID}",
+            "--master-addr",
+            "${RELAY_MASTER_ADDR}",
+            "--master-port",
+            str(cfg.cluster.master_port),
+        ]
+    else:
+        torchrun.append("--standalone")
+    processes.append(
+        Process(
+            "trainer",
+            "trainer",
+            [*torchrun, "-m", "rl.trainer", *run_args],
+            env={"OMP_NUM_THREADS": "1"} if gpus else {},
+            job="trainer",
+            nodes=trainer_nodes,
+            gpus_per_node=per_node if gpus else 0,
+        )
+    )
+
+    jobs: list[Job] = []
+    notes: list[str] = []
+    if slurm:
+        inference_nodes = cfg.parallel.inference.replicas * replica_nodes * len(kv_roles)
+        c = cfg.cluster
+        jobs = [
+            _job(cfg, "control", 1, 0, 8, 32),
+            _job(cfg, "inference", inference_nodes, gpus, c.cpus_per_node, c.mem_gb_per_node),
+            _job(cfg, "trainer", trainer_nodes, per_node, c.cpus_per_node, c.mem_gb_per_node),
+        ]
+        if cfg.cluster.partition is None:
+            notes.append("no cluster.partition: Slurm's default partition is used")
+    if gpus and cfg.cluster.gpu_memory_gb:
+        state = cfg.model.total_params_b * TRAIN_BYTES_PER_PARAM / mesh["world"]
+        notes.append(f"trainer state per GPU ~{state:.1f} GB (of {cfg.cluster.gpu_memory_gb:g})")
+        weights = cfg.model.total_params_b * _serve_bytes_per_param(cfg)
+        notes.append(f"inference weights ~{weights:.0f} GB per replica, {replica_nodes} node(s)")
+    env = cfg.environment
+    return RunPlan(
+        run_name=cfg.name,
+        cluster=cfg.cluster.name,
+        backend=Backend(backend).value,
+        processes=processes,
+        jobs=jobs,
+        trainer_world_size=mesh["world"],
+        mesh=mesh,
+        lr=cfg.algorithm.lr if cfg.algorithm.lr is not None else cfg.model.lr,
+        batch_size=env.prompts_per_step * env.group_size,
+        notes=notes,
+    )
+
+
+def format_plan(p: RunPlan) -> str:
+    """The plan as a readable table for `dry_run=true`."""
+    lines = [
+        f"run {p.run_name} on cluster={p.cluster}: trainer world {p.trainer_world_size} "
+        f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
+        f"lr {p.lr:g}, batch {p.batch_size} samples/step, inference backend {p.backend}",
+    ]
+    if p.jobs:
+        lines.append("")
+        header = f"{'job':<10} {'nodes':>5} {'gpus/node':>9} {'cpus':>5} {'mem':>7} {'time':>6}"
+        lines.append(header + "  partition/account/qos")
+        for j in p.jobs:
+            where = "/".join(str(x or "-") for x in (j.partition, j.account, j.qos))
+            lines.append(
+                f"{j.name:<10} {j.nodes:>5} {j.gpus_per_node:>9} {j.cpus_per_task:>5} "
+                f"{j.mem_gb:>5}GB {j.time_min:>5}m  {where}"
+            )
+    lines.append("")
+    lines.append(f"{'process':<20} {'job':<10} {'nodes':>5} {'gpus/node':>9}  command")
+    for proc in p.processes:
+        env = " ".join(f"{k}={v}" for k, v in proc.env.items())
+        cmd = " ".join(proc.argv)
+        lines.append(
+            f"{proc.name:<20} {proc.job:<10} {proc.nodes:>5} {proc.gpus_per_node:>9}  "
+            f"{(env + ' ') if env else ''}{cmd}"
+        )
+    for note in p.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

@@ -1,0 +1,361 @@
+"""Typed schema of a Relay run: the one source of defaults for every config group.
+
+Each YAML option under conf/ selects and overrides values of these dataclasses; Hydra validates
+it against them when the run is composed, so an unknown key or a wrong type fails before
+anything starts. This module imports no torch: `rl --help` and planning must stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from omegaconf import MISSING
+
+GROUPS = ("model", "parallel", "algorithm", "environment", "cluster")
+
+
+class WeightSource(StrEnum):
+    random = "random"
+    gguf_package = "gguf_package"
+    hf = "hf"
+
+
+class TokenizerKind(StrEnum):
+    hf = "hf"
+    char = "char"
+
+
+class Loss(StrEnum):
+    default = "default"
+
+
+class Advantage(StrEnum):
+    group_mean = "group_mean"
+    zscore = "zscore"
+    rloo = "rloo"
+
+
+class ClusterKind(StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
+class Backend(StrEnum):
+    embedded = "embedded"
+    vllm = "vllm"
+
+
+@dataclass
+class ModelInferenceConfig:
+    """How inference servers should serve this model (vLLM settings a user would set)."""
+
+    quantization: str | None = None
+    """Weight quantisation for serving, e.g. `fp8`; None serves the training dtype."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache dtype, e.g. `fp8`; `auto` follows the model dtype."""
+    max_model_len: int | None = None
+    """Longest prompt + completion served; None uses the model's context length."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each GPU's memory vLLM may claim."""
+    pd_disaggregation: bool = False
+    """Run separate prefill and decode replicas that exchange KV caches (large MoE models)."""
+    kv_connector: str = "NixlConnector"
+    """KV transfer connector used between prefill and decode replicas."""
+    speculative_method: str | None = None
+    """Speculative decoding method, e.g. `mtp` for models that ship MTP layers."""
+    num_speculative_tokens: int = 0
+    """Tokens proposed per speculative step (0 disables speculation)."""
+    tool_call_parser: str | None = None
+    """vLLM tool-call parser matching the model's chat template."""
+    reasoning_parser: str | None = None
+    """vLLM reasoning parser that splits thinking from the answer."""
+    trust_remote_code: bool = False
+    """Whether the server must run code shipped with the checkpoint."""
+
+
+@dataclass
+class ModelConfig:
+    """A model: its architecture facts (for planning) and where its weights come from."""
+
+    name: str = MISSING
+    """Short name used in run names and logs."""
+    hf_id: str | None = None
+    """Hugging Face repository id of the published checkpoint (None for locally built models)."""
+    path: str | None = None
+    """Local checkpoint directory in HF layout; overrides `hf_id` (clusters without a hub)."""
+    source: WeightSource = WeightSource.hf
+    """Where weights come from: `random` (built here from this config), `gguf_package`, `hf`."""
+    architecture: str = MISSING
+    """transformers architecture class, e.g. `Qwen3ForCausalLM`."""
+    model_type: str = MISSING
+    """transformers `model_type` of the config, e.g. `qwen3`, `qwen3_moe`, `glm_moe_dsa`."""
+    num_layers: int = MISSING
+    """Decoder blocks."""
+    hidden_size: int = MISSING
+    """Residual stream width."""
+    intermediate_size: int = MISSING
+    """Dense MLP width (for MoE models: the dense layers' width)."""
+    num_attention_heads: int = MISSING
+    """Query heads."""
+    num_kv_heads: int = MISSING
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = MISSING
+    """Width of one attention head."""
+    vocab_size: int = MISSING
+    """Tokenizer vocabulary size (rows of the embedding)."""
+    context_length: int = MISSING
+    """Longest sequence the model is trained for (max_position_embeddings)."""
+    tie_word_embeddings: bool = False
+    """Whether the output projection shares the input embedding."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Routed experts active per token."""
+    num_shared_experts: int = 0
+    """Always-active shared experts per MoE layer."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's MLP."""
+    first_dense_layers: int = 0
+    """Leading decoder blocks that use a dense MLP instead of MoE."""
+    total_params_b: float = MISSING
+    """Total parameters, in billions (as published)."""
+    active_params_b: float = MISSING
+    """Parameters active per token, in billions (as published)."""
+    dtype: str = "bfloat16"
+    """Training and checkpoint dtype."""
+    lr: float = 1e-6
+    """Learning rate this model trains well with; used when `algorithm.lr` is not set."""
+    tokenizer: TokenizerKind = TokenizerKind.hf
+    """Tokenizer kind: `hf` (shipped with the checkpoint) or `char` (built locally)."""
+    inference: ModelInferenceConfig = field(default_factory=ModelInferenceConfig)
+    """Serving settings for this model."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass
+class TrainerParallelConfig:
+    """Trainer DeviceMesh degrees (torchtitan's ParallelDims)."""
+
+    nodes: int = 1
+    """Nodes the trainer spans; 0 lets the planner size it from the model's memory."""
+    dp_replicate: int = 1
+    """Replicated data-parallel groups (HSDP's outer dimension)."""
+    dp_shard: int = -1
+    """FSDP shard degree; -1 takes every rank the other degrees leave."""
+    ep: int = 1
+    """Expert-parallel degree; borrows ranks from dp_shard x cp, must divide the expert count."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    tp: int = 1
+    """Tensor-parallel degree inside a node."""
+
+
+@dataclass
+class InferenceParallelConfig:
+    """Inference replicas and each replica's vLLM parallel degrees."""
+
+    replicas: int = 1
+    """Independent inference servers the orchestrator spreads requests over."""
+    nodes_per_replica: int = 1
+    """Nodes one replica spans; 0 lets the planner size it from the model's weights."""
+    tp: int = 1
+    """Tensor-parallel size inside a node."""
+    dp: int = 1
+    """Data-parallel ranks inside one replica (attention DP for MoE); -1: every GPU left."""
+    expert_parallel: bool = False
+    """Shard experts across the replica's GPUs instead of tensor-slicing them."""
+
+
+@dataclass
+class ParallelConfig:
+    """How trainer and inference are laid out over devices."""
+
+    name: str = MISSING
+    """Option name."""
+    trainer: TrainerParallelConfig = field(default_factory=TrainerParallelConfig)
+    """Trainer degrees."""
+    inference: InferenceParallelConfig = field(default_factory=InferenceParallelConfig)
+    """Inference degrees."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective: loss, advantage estimator, optimiser and off-policy budget."""
+
+    name: str = MISSING
+    """Option name."""
+    loss: Loss = Loss.default
+    """Loss in the registry: `default` (DPPO-style mask + squared log-ratio)."""
+    advantage: Advantage = Advantage.group_mean
+    """Advantage estimator: `group_mean` (Dr.GRPO-style, no std), `zscore`, `rloo`."""
+    lr: float | None = None
+    """Learning rate; None takes the model option's `lr`."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    prob_diff_pos: float = 0.2
+    """Default loss: mask tokens with positive advantage once trainer prob exceeds inference
+    prob by more than this."""
+    prob_diff_neg: float = 0.2
+    """Default loss: mask tokens with negative advantage once trainer prob is below inference
+    prob by more than this."""
+    log_ratio_coef: float = 0.001
+    """Default loss: weight of the squared log-ratio term against the inference policy."""
+    async_level: int = 1
+    """Generate for step N once inference holds version >= N - async_level (0: on-policy)."""
+    max_off_policy_steps: int = 8
+    """Drop samples whose oldest generating version is further behind than this."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """A task: prompts, rollout and reward."""
+
+    name: str = MISSING
+    """Environment id in the registry."""
+    max_tokens: int = 32
+    """Most completion tokens sampled per turn."""
+    group_size: int = 8
+    """Completions per prompt (the group the advantage baseline is taken over)."""
+    prompts_per_step: int = 16
+    """Prompts per trainer step (batch = prompts_per_step x group_size)."""
+    eval_size: int = 128
+    """Held-out prompts scored at each eval."""
+    eval_every: int = 10
+    """Trainer steps between evals (plus one before RL and one at the end)."""
+    seed: int = 0
+    """Seed of the train/eval split and prompt sampling."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Environment-specific settings (see the environment's module docstring)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the run executes: this machine, or a Slurm cluster through submitit."""
+
+    name: str = MISSING
+    """Option name."""
+    kind: ClusterKind = ClusterKind.local
+    """`local` (child processes here) or `slurm` (jobs submitted with submitit)."""
+    nodes: int = 1
+    """Nodes available to one run (local: 1)."""
+    gpus_per_node: int = 0
+    """GPUs on each node (0: CPU-only)."""
+    gpu_memory_gb: float = 0.0
+    """Memory of one GPU, for the planner's fit checks (0 skips them)."""
+    cpus_per_node: int = 2
+    """CPU cores per node."""
+    mem_gb_per_node: int = 24
+    """Host memory per node."""
+    partition: str | None = None
+    """Slurm partition; None uses the cluster's default partition."""
+    account: str | None = None
+    """Slurm account."""
+    qos: str | None = None
+    """Slurm QOS."""
+    constraint: str | None = None
+    """Slurm node feature constraint."""
+    time_min: int = 1440
+    """Slurm wall-time limit per job, in minutes."""
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    """Further sbatch options passed through unchanged."""
+    master_port: int = 29500
+    """torch.distributed rendezvous port on the first trainer node."""
+
+
+@dataclass
+class InferenceConfig:
+    """The inference role."""
+
+    backend: Backend | None = None
+    """`embedded` (transformers, CPU or one GPU) or `vllm`; None: vllm where the cluster has
+    GPUs, embedded on CPU."""
+    max_batch_size: int = 512
+    """Most sequences the embedded engine decodes together."""
+    port: int = 0
+    """Port to listen on; 0 picks a free one and records it in the run directory."""
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up (SFT) run by the trainer before RL."""
+
+    steps: int = 0
+    """SFT optimiser steps (0 skips the warm-up)."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    batch_size: int = 64
+    """Examples per SFT step."""
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer role."""
+
+    micro_batch_size: int = 256
+    """Samples per forward/backward pass (gradients are accumulated across them)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    keep_weights: int = 3
+    """Published weight versions kept on disk (older ones are deleted)."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging."""
+
+    project: str = "relay"
+    """wandb project."""
+    mode: str | None = None
+    """`online`, `offline` or `disabled`; None: online with an API key, else offline."""
+    group: str | None = None
+    """Run group (a sweep sets it)."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: five groups plus the run-level keys."""
+
+    model: ModelConfig = MISSING
+    """Group `model`: architecture facts and weight source."""
+    parallel: ParallelConfig = MISSING
+    """Group `parallel`: trainer mesh degrees and inference layout."""
+    algorithm: AlgorithmConfig = MISSING
+    """Group `algorithm`: loss, advantages, optimiser, staleness budget."""
+    environment: EnvironmentConfig = MISSING
+    """Group `environment`: the task."""
+    cluster: ClusterConfig = MISSING
+    """Group `cluster`: this machine or Slurm."""
+    name: str = "${environment.name}-${model.name}"
+    """Run name (the run directory and wandb run are named after it)."""
+    seed: int = 0
+    """Global seed."""
+    max_steps: int = 20
+    """RL trainer steps."""
+    dry_run: bool = False
+    """Print the plan and exit without starting or submitting anything."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Inference role settings."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up before RL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer role settings."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Experiment tracking."""
+
+
+def register() -> None:
+    """Register the schema in Hydra's ConfigStore under the name conf/config.yaml extends."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="relay_schema", node=RunConfig)

@@ -1,0 +1,129 @@
+"""The config tree: every option composes, the schema rejects bad input, the CLI is fast."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from rl.config import GROUPS
+from tests.conftest import ROOT, compose_run, options
+
+
+def rl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes(group: str) -> None:
+    names = options(group)
+    assert names, f"conf/{group} has no options"
+    for name in names:
+        cfg = compose_run(f"{group}={name}")
+        assert cfg[group].name == name
+        # Every field resolves: no MISSING left in a shipped option.
+        OmegaConf.to_container(cfg[group], resolve=True, throw_on_missing=True)
+
+
+def test_named_options_exist() -> None:
+    assert set(options("model")) >= {
+        "tiny",
+        "smollm2_135m",
+        "qwen3_0_6b",
+        "qwen3_30b_a3b",
+        "glm5",
+        "minimax_m2",
+    }
+    assert set(options("parallel")) >= {"single", "fsdp", "hsdp", "ep8", "cp2"}
+    assert set(options("cluster")) == {"local", "slurm"}
+
+
+def test_real_model_facts() -> None:
+    glm5 = compose_run("model=glm5").model
+    assert (glm5.total_params_b, glm5.active_params_b, glm5.num_experts) == (744, 40, 256)
+    assert glm5.inference.quantization == "fp8" and glm5.inference.pd_disaggregation
+    moe = compose_run("model=qwen3_30b_a3b").model
+    assert (moe.num_experts, moe.experts_per_token, moe.num_layers) == (128, 8, 48)
+    m2 = compose_run("model=minimax_m2").model
+    assert (m2.total_params_b, m2.active_params_b, m2.context_length) == (230, 10, 196608)
+
+
+def test_schema_rejects_unknown_key_and_bad_type() -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose_run("model.not_a_field=1")
+    with pytest.raises(ConfigCompositionException):
+        compose_run("algorithm.lr=fast")
+    with pytest.raises(ConfigCompositionException):
+        compose_run("algorithm.loss=nonsense")
+
+
+def test_config_path_imports_no_torch() -> None:
+    code = "import sys, launcher.cli, launcher.plan, launcher.run; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_help_lists_groups() -> None:
+    out = rl("--help")
+    assert out.returncode == 0, out.stderr
+    for group in GROUPS:
+        assert f"{group}:" in out.stdout
+    assert "glm5" in out.stdout and "ep8" in out.stdout
+
+
+def test_cfg_job_prints_composed_config() -> None:
+    out = rl("--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.model.name == "tiny" and cfg.cluster.kind == "local"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["model=nope"], "model=nope: no such option; valid: glm5, minimax_m2, qwen3_0_6b"),
+        (["model.nope=1"], "model.nope: Key 'nope' not in 'ModelConfig'"),
+        (["algorithm.lr=abc"], "algorithm.lr: Value 'abc'"),
+        (["algorithm.loss=xx"], "expected one of [default]"),
+        (
+            ["model=qwen3_0_6b", "parallel=ep8", "dry_run=true"],
+            "parallel.trainer.ep=8: expert parallelism needs an MoE model",
+        ),
+    ],
+)
+def test_cli_errors_are_one_line(args: list[str], expected: str) -> None:
+    out = rl(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0]
+    assert out.stdout == ""
+
+
+def test_dry_run_glm5_slurm_prints_plan() -> None:
+    out = rl("model=glm5", "parallel=ep8", "cluster=slurm", "dry_run=true")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for needle in (
+        "trainer",
+        "inference-0-prefill",
+        "inference-0-decode",
+        "torch.distributed.run",
+        "--enable-expert-parallel",
+        "--quantization fp8",
+        "--nnodes 24",
+        "kv_producer",
+    ):
+        assert needle in text, needle
+    assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").glob("*glm5*"))

@@ -1,0 +1,143 @@
+"""plan(): the pure planning function, over a matrix of real configs and its error cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.plan import PlanError, format_plan, plan
+from tests.conftest import compose_run, options
+
+DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
+MOE = ("qwen3_30b_a3b", "minimax_m2", "glm5")
+# Parallel options that fit each model on the 8 x 80 GB Slurm cluster option.
+FITS = {
+    "tiny": ("single", "fsdp", "hsdp", "tp", "dp"),  # 128-token context: no cp
+    "smollm2_135m": ("single", "fsdp", "hsdp", "tp", "dp", "cp2"),
+    "qwen3_0_6b": ("single", "fsdp", "hsdp", "tp", "dp", "cp2"),
+    "qwen3_30b_a3b": ("fsdp", "hsdp", "tp", "ep8", "cp2"),
+    "minimax_m2": ("ep8",),
+    "glm5": ("ep8",),
+}
+LONG = "environment.max_tokens=4096"  # context parallelism needs long sequences
+
+
+@pytest.mark.parametrize("model", [m for m in FITS])
+def test_slurm_matrix_plans(model: str) -> None:
+    assert set(FITS) == set(options("model"))
+    for par in FITS[model]:
+        extra = [LONG] if par == "cp2" else []
+        cfg = compose_run(f"model={model}", f"parallel={par}", "cluster=slurm", *extra)
+        p = plan(cfg)
+        mesh = p.mesh
+        assert mesh["world"] == mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
+        trainer = p.role("trainer")[0]
+        assert trainer.nodes * trainer.gpus_per_node == mesh["world"]
+        assert {j.name for j in p.jobs} == {"control", "inference", "trainer"}
+        inference = p.role("inference")
+        assert inference and all("--tensor-parallel-size" in proc.argv for proc in inference)
+        json.loads(p.to_json())
+        assert "torch.distributed.run" in format_plan(p)
+
+
+@pytest.mark.parametrize("model", MOE)
+def test_ep8_sizes_nodes_from_memory(model: str) -> None:
+    p = plan(compose_run(f"model={model}", "parallel=ep8", "cluster=slurm"))
+    cfg = compose_run(f"model={model}")
+    per_gpu_gb = cfg.model.total_params_b * 16 / p.mesh["world"]
+    assert per_gpu_gb <= 80 * 0.8
+    # One node fewer would not hold the training state.
+    smaller = (p.role("trainer")[0].nodes - 1) * 8
+    assert smaller == 0 or cfg.model.total_params_b * 16 / smaller > 80 * 0.8
+    assert p.mesh["ep"] == 8 and cfg.model.num_experts % 8 == 0
+
+
+def test_glm5_plan_serves_fp8_disaggregated_with_mtp() -> None:
+    p = plan(compose_run("model=glm5", "parallel=ep8", "cluster=slurm"))
+    names = [proc.name for proc in p.role("inference")]
+    assert names == ["inference-0-prefill", "inference-0-decode"]
+    argv = p.role("inference")[0].argv
+    args = argv[argv.index("--") + 1 :]
+    assert args[args.index("--quantization") + 1] == "fp8"
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {
+        "method": "mtp",
+        "num_speculative_tokens": 3,
+    }
+    # 744 GB of FP8 weights need two 8 x 80 GB nodes at 80% for weights.
+    assert p.role("inference")[0].nodes == 2
+    assert args[args.index("--data-parallel-size") + 1] == "16"
+
+
+def test_local_default_plan() -> None:
+    p = plan(compose_run())
+    assert [proc.role for proc in p.processes] == ["queue", "orchestrator", "inference", "trainer"]
+    assert p.backend == "embedded" and p.trainer_world_size == 1 and p.jobs == []
+    assert "--standalone" in p.role("trainer")[0].argv
+    assert p.lr == compose_run().model.lr
+
+
+def test_algorithm_lr_overrides_model_lr() -> None:
+    assert plan(compose_run("algorithm.lr=1e-5")).lr == 1e-5
+
+
+def test_local_fsdp_two_cpu_processes() -> None:
+    p = plan(compose_run("parallel=fsdp", "parallel.trainer.dp_shard=2"))
+    assert p.trainer_world_size == 2
+    assert "--nproc-per-node" in (argv := p.role("trainer")[0].argv)
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=qwen3_0_6b", "parallel=ep8"], "parallel.trainer.ep=8: expert parallelism needs"),
+        (
+            ["model=qwen3_30b_a3b", "parallel=ep8", "cluster=slurm", "parallel.trainer.ep=3"],
+            "parallel.trainer.ep=3: must divide model=qwen3_30b_a3b's 128 experts",
+        ),
+        (
+            [
+                "model=qwen3_30b_a3b",
+                "parallel=fsdp",
+                "cluster=slurm",
+                "parallel.trainer.ep=32",
+                "parallel.trainer.nodes=2",
+            ],
+            "parallel.trainer.ep=32: must divide dp_shard x cp = 16 x 1",
+        ),
+        (
+            [
+                "cluster=slurm",
+                "parallel=fsdp",
+                "parallel.trainer.nodes=2",
+                "parallel.trainer.dp_shard=3",
+            ],
+            "do not split evenly over 2 node(s) of 8 GPUs",
+        ),
+        (
+            ["cluster=slurm", "parallel=tp", "parallel.inference.tp=3"],
+            "parallel.inference.tp=3: must divide the 8 GPUs per node",
+        ),
+        (["parallel=cp2"], "parallel.trainer.cp=2: environment.max_tokens=12 is too short"),
+        (["parallel=tp"], "cluster=local has cluster.gpus_per_node=0"),
+        (["parallel=hsdp"], "cluster=local: runs on one node"),
+        (
+            ["cluster=slurm", "model=glm5", "parallel=ep8", "parallel.trainer.nodes=4"],
+            "parallel.trainer.nodes=4: model=glm5 needs ~11.9 TB of training state",
+        ),
+        (
+            ["cluster=slurm", "model=glm5", "parallel=ep8", "cluster.nodes=8"],
+            "cluster.nodes: the run needs 28 GPU nodes",
+        ),
+        (["cluster.gpus_per_node=1"], "trainer (1) + inference (1) GPUs exceed the 1 this"),
+        (["algorithm.async_level=9"], "algorithm.async_level=9: must be >= 0 and <="),
+        (["environment.group_size=1"], "environment.group_size=1: needs >= 2"),
+        (["environment.max_tokens=500"], "must be below model=tiny's served length 128"),
+    ],
+)
+def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(PlanError) as err:
+        plan(compose_run(*overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
