@@ -397,6 +397,9 @@ def plan(cfg: DictConfig) -> RunPlan:
         ),
     ]
     backend = cfg.inference.backend or (Backend.vllm if gpus else Backend.embedded)
+    # On a CPU node trainer and inference run side by side: split the cores between them
+    # instead of letting both oversubscribe every core.
+    cpu_threads = {"OMP_NUM_THREADS": str(max(1, cfg.cluster.cpus_per_node // 2))}
     kv_roles = ["kv_producer", "kv_consumer"] if _disaggregated(cfg) else [None]
     replica_gpus = gpus if slurm else _replica_gpus(cfg)
     for i in range(cfg.parallel.inference.replicas):
@@ -410,6 +413,7 @@ def plan(cfg: DictConfig) -> RunPlan:
                     "inference",
                     f"inference-{i}{suffix}",
                     argv,
+                    env={} if gpus else cpu_threads,
                     job="inference",
                     nodes=replica_nodes,
                     gpus_per_node=replica_gpus,
@@ -435,7 +439,7 @@ def plan(cfg: DictConfig) -> RunPlan:
             "trainer",
             "trainer",
             [*torchrun, "-m", "rl.trainer", *run_args],
-            env={"OMP_NUM_THREADS": "1"} if gpus else {},
+            env={"OMP_NUM_THREADS": "1"} if gpus else cpu_threads,
             job="trainer",
             nodes=trainer_nodes,
             gpus_per_node=per_node if gpus else 0,

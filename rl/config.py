@@ -287,6 +287,18 @@ class InferenceConfig:
 
 
 @dataclass
+class QueueConfig:
+    """The rollout queue between orchestrator and trainer."""
+
+    capacity: int = 1024
+    """Most groups waiting to be trained; a full queue answers 429 and producers wait."""
+    max_request_mb: int = 64
+    """Largest request body accepted."""
+    port: int = 0
+    """Port to listen on; 0 picks a free one and records it in the run directory."""
+
+
+@dataclass
 class WarmupConfig:
     """Supervised warm-up (SFT) run by the trainer before RL."""
 
@@ -346,6 +358,8 @@ class RunConfig:
     """Print the plan and exit without starting or submitting anything."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Inference role settings."""
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """Rollout queue settings."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up before RL."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

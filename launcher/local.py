@@ -1,0 +1,214 @@
+"""The local launcher: every role a child process in its own process group on this machine.
+
+It writes the run directory, starts the roles from the plan, waits for each server to be
+ready, shows progress from metrics.jsonl, and tears everything down together: on success, on
+Ctrl-C, and as soon as any role dies (naming it and showing its last log lines). Only our own
+process groups are signalled, by id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.plan import RunPlan
+
+READY_TIMEOUT_S = 600.0
+STOP_GRACE_S = 5.0
+FINISHING_ROLES = ("trainer", "orchestrator")
+
+
+class RunFailed(RuntimeError):
+    """A role died or never became ready; the message names it."""
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+
+def prepare_run_dir(cfg: DictConfig, run_plan: RunPlan) -> tuple[Path, str]:
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "plan.json").write_text(run_plan.to_json())
+    token = secrets.token_hex(16)
+    fd = os.open(run_dir / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return run_dir, token
+
+
+def _expand(argv: list[str], run_dir: Path) -> list[str]:
+    out = [a.replace("${RELAY_RUN_DIR}", str(run_dir)) for a in argv]
+    return [sys.executable if a == "python" else a for a in out]
+
+
+def start_children(run_plan: RunPlan, run_dir: Path, token: str) -> list[Child]:
+    children = []
+    for spec in run_plan.processes:
+        env = {
+            **os.environ,
+            **spec.env,
+            "RELAY_TOKEN": token,
+            "RELAY_RUN_DIR": str(run_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+        log_path = run_dir / "logs" / f"{spec.name}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_children
+        proc = subprocess.Popen(
+            _expand(spec.argv, run_dir),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # its own process group, so teardown reaches its children
+        )
+        children.append(Child(spec.name, spec.role, proc, log_path, log_file))
+    return children
+
+
+def stop_children(children: list[Child]) -> None:
+    """SIGTERM each child's process group, then SIGKILL what is left after a grace period."""
+    for child in children:
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)
+        child.proc.wait()
+        child.log_file.close()
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def check_children(children: list[Child], done: set[str]) -> None:
+    """Raise RunFailed when a role exits with an error, or a server exits at all."""
+    for child in children:
+        code = child.proc.poll()
+        if code is None or child.name in done:
+            continue
+        if code == 0 and child.role in FINISHING_ROLES:
+            done.add(child.name)
+            continue
+        raise RunFailed(
+            f"role {child.name} exited with code {code}; last lines of {child.log_path}:\n"
+            f"{tail(child.log_path)}"
+        )
+
+
+class Progress:
+    """Prints one line per trainer step and per eval from metrics.jsonl as they appear."""
+
+    def __init__(self, metrics: Path, max_steps: int) -> None:
+        self.metrics, self.max_steps = metrics, max_steps
+        self.offset = 0
+        self.last_eval: float | None = None
+        self.records: list[dict] = []
+
+    def poll(self) -> None:
+        if not self.metrics.exists():
+            return
+        with open(self.metrics) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            record = json.loads(line)
+            self.records.append(record)
+            print(self.format(record), flush=True)
+
+    def format(self, r: dict) -> str:
+        if "eval/exact_match" in r:
+            self.last_eval = r["eval/exact_match"]
+            return (
+                f"eval  @ version {r['step']:>3}: exact_match {r['eval/exact_match']:.3f}  "
+                f"reward {r['eval/reward/mean']:.3f}"
+            )
+        return (
+            f"step {r['step']:>3}/{self.max_steps}  reward {r['reward/mean']:.3f}  "
+            f"loss {r['loss']:+.4f}  samples/s {r['throughput/samples_per_s']:.0f}  "
+            f"staleness {r['off_policy/staleness_max']}  step {r['time/step']:.2f}s"
+        )
+
+
+def wait_ready(run_plan: RunPlan, run_dir: Path, children: list[Child]) -> None:
+    servers = ["queue"] + [p.name for p in run_plan.role("inference")]
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for name in servers:
+        while not (run_dir / "addresses" / f"{name}.json").exists():
+            check_children(children, set())
+            if time.monotonic() > deadline:
+                raise RunFailed(f"role {name} did not become ready in {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.1)
+        print(f"ready: {name}", flush=True)
+
+
+def run_local(cfg: DictConfig, run_plan: RunPlan) -> None:
+    """Start every role of the plan here and supervise it to the end."""
+    run_dir, token = prepare_run_dir(cfg, run_plan)
+    print(f"run directory: {run_dir}", flush=True)
+    t0 = time.monotonic()
+    children = start_children(run_plan, run_dir, token)
+    progress = Progress(run_dir / "metrics.jsonl", cfg.max_steps)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        wait_ready(run_plan, run_dir, children)
+        done: set[str] = set()
+        finishing = {c.name for c in children if c.role in FINISHING_ROLES}
+        while done != finishing:
+            check_children(children, done)
+            progress.poll()
+            time.sleep(0.2)
+        progress.poll()
+    except KeyboardInterrupt:
+        print("interrupted: stopping every role", file=sys.stderr, flush=True)
+        stop_children(children)
+        raise SystemExit(130) from None
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        stop_children(children)
+        raise SystemExit(1) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stop_children(children)
+    wall = time.monotonic() - t0
+    from launcher.report import finish_run
+
+    finish_run(cfg, run_dir, progress.records, wall)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,81 @@
+"""End of a run: the reward/eval plot, the wandb run, and a summary for the terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def plot(records: list[dict], target: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "reward/mean" in r]
+    evals = [r for r in records if "eval/exact_match" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward")
+    ax.plot(
+        [r["step"] for r in evals],
+        [r["eval/reward/mean"] for r in evals],
+        "o-",
+        label="eval reward",
+    )
+    ax.plot(
+        [r["step"] for r in evals], [r["eval/exact_match"] for r in evals], "s-", label="eval exact"
+    )
+    ax.set_xlabel("trainer step (policy version)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+
+
+def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
+    """Log the run's metrics to wandb: online with an API key, offline without one."""
+    mode = cfg.wandb.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    mode = os.environ.get("WANDB_MODE", mode)
+    if mode == "disabled":
+        return mode
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    run = wandb.init(
+        project=cfg.wandb.project,
+        group=cfg.wandb.group,
+        name=f"{cfg.name}-{run_dir.name}",
+        dir=str(run_dir),
+        mode=mode,
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )
+    for record in records:
+        run.log(
+            {k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"]
+        )
+    run.finish()
+    return mode
+
+
+def finish_run(cfg: DictConfig, run_dir: Path, records: list[dict], wall_s: float) -> None:
+    if records:
+        plot(records, run_dir / "reward.png")
+    mode = log_wandb(cfg, run_dir, records)
+    evals = [r for r in records if "eval/exact_match" in r]
+    summary = {"wall_s": round(wall_s, 1), "wandb": mode}
+    if evals:
+        summary["eval/exact_match/first"] = evals[0]["eval/exact_match"]
+        summary["eval/exact_match/last"] = evals[-1]["eval/exact_match"]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if evals:
+        print(
+            f"done in {wall_s:.0f} s: eval exact_match {evals[0]['eval/exact_match']:.3f} "
+            f"(version {evals[0]['step']}) -> {evals[-1]['eval/exact_match']:.3f} "
+            f"(version {evals[-1]['step']}); plot {run_dir / 'reward.png'}",
+            flush=True,
+        )

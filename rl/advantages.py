@@ -1,0 +1,36 @@
+"""Advantage estimators over one group of rewards (the completions of one prompt).
+
+Plain Python, no torch: the orchestrator computes advantages as it scores each group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+
+def group_mean(rewards: list[float]) -> list[float]:
+    """Dr.GRPO-style: reward minus the group mean, no std normalisation (the default)."""
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def zscore(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO: reward minus the group mean over the group's (sample) standard deviation."""
+    centred = group_mean(rewards)
+    std = math.sqrt(sum(c * c for c in centred) / max(len(rewards) - 1, 1))
+    return [c / (std + eps) for c in centred]
+
+
+def rloo(rewards: list[float]) -> list[float]:
+    """Leave-one-out: reward minus the mean of the other completions of the prompt."""
+    n = len(rewards)
+    total = sum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
+ADVANTAGES: dict[str, Callable[[list[float]], list[float]]] = {
+    "group_mean": group_mean,
+    "zscore": zscore,
+    "rloo": rloo,
+}

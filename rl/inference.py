@@ -1,0 +1,483 @@
+"""The embedded inference server: an OpenAI-style completions API over a transformers model.
+
+It serves CPU runs and small single-GPU runs without vLLM, and is the reference the vLLM backend
+is held to. One engine thread owns the model: it merges concurrent requests into one left-padded
+batch, decodes it with a KV cache, and applies weight swaps only between batches, so every
+response can name the single policy version that produced it.
+
+    python -m rl.inference --run-dir D --replica I [-- vLLM args, for the vllm backend]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pydantic import BaseModel
+
+from rl.config import Backend
+from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer
+from rl.runtime import load_run_config, role_args, run_token, setup_logging, write_address
+
+if TYPE_CHECKING:
+    import torch
+
+HOST = "127.0.0.1"
+
+
+class Sample(NamedTuple):
+    """One decoded sequence: sampled ids (EOS included when it stopped there) and their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+
+
+def _per_row(value: Any, rows: int) -> list[Any]:
+    return list(value) if isinstance(value, Sequence) else [value] * rows
+
+
+def _left_pad(prompts_ids: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    """Ids and attention mask with prompts right-aligned, so every row's next token is last."""
+    import torch
+
+    lengths = torch.tensor([len(p) for p in prompts_ids])
+    mask = torch.arange(int(lengths.max())) >= (lengths.max() - lengths)[:, None]
+    ids = torch.full(mask.shape, pad_id, dtype=torch.long)
+    ids[mask] = torch.tensor([t for p in prompts_ids for t in p], dtype=torch.long)
+    return ids.to(device), mask.long().to(device)
+
+
+def _sample(
+    logits: torch.Tensor, temperature: torch.Tensor, groups: dict[int, tuple[Any, list[int]]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their logprobs under the temperature-scaled softmax (plain at 0).
+
+    Sampling is Gumbel-max with uniform noise drawn per generator group: each group draws the
+    same amount of noise every step, so a seeded request's tokens do not depend on which other
+    requests share its batch.
+    """
+    import torch
+
+    greedy = temperature == 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    noise = torch.empty_like(logp)
+    for generator, rows in groups.values():
+        shape = (len(rows), logp.shape[1])
+        noise[rows] = torch.rand(shape, generator=generator, device=logp.device)
+    gumbel = -torch.log(-torch.log(noise.clamp_min(torch.finfo(noise.dtype).tiny)))
+    tokens = torch.where(greedy, logp.argmax(-1), (logp + gumbel).argmax(-1))
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts_ids: list[list[int]],
+    max_tokens: int | Sequence[int],
+    temperature: float | Sequence[float],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> list[Sample]:
+    """Decode every prompt in one left-padded batch with a KV cache; per-row limits and RNGs.
+
+    `max_tokens`, `temperature` and `generators` are one value for all rows or one per row; rows
+    sharing a generator object draw from it together, None uses torch's default generator.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    rows, device = len(prompts_ids), model.device
+    limits = torch.tensor(_per_row(max_tokens, rows), device=device)
+    temps = torch.tensor(_per_row(temperature, rows), dtype=torch.float32, device=device)
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for row, gen in enumerate(_per_row(generators, rows)):
+        groups.setdefault(id(gen), (gen, []))[1].append(row)
+    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(eos_id, 0)
+    ids, mask = _left_pad(prompts_ids, pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache, steps_ids, steps_logp = DynamicCache(config=model.config), [], []
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    with torch.inference_mode():
+        while not bool(done.all()):
+            if steps_ids:  # after the prompt pass, feed back only the newest tokens
+                ids, positions = steps_ids[-1][:, None], positions[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                logits_to_keep=1,  # the prompt pass needs only the last position's logits
+            )
+            tokens, logp = _sample(out.logits[:, -1].float(), temps, groups)
+            tokens = torch.where(done, pad_id, tokens)
+            steps_ids.append(tokens)
+            steps_logp.append(logp)
+            lengths += (~done).long()
+            stopped |= ~done & (tokens == eos_id)
+            done |= stopped | (lengths >= limits)
+    all_ids, all_logp = torch.stack(steps_ids, 1).tolist(), torch.stack(steps_logp, 1).tolist()
+    return [
+        Sample(all_ids[r][:n], all_logp[r][:n], "stop" if stop else "length")
+        for r, (n, stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
+    ]
+
+
+def load_state_dict_in_place(model: Any, path: Path) -> None:
+    """Copy an HF checkpoint's safetensors into `model`; checked first, so no half-loaded model."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors files")
+    state: dict[str, Any] = {}
+    for file in files:
+        state.update(load_file(file))
+    current = model.state_dict()
+    loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
+    # Tied weights (lm_head = embedding) are saved once; a key sharing storage is not missing.
+    missing = [k for k in current if k not in state and current[k].data_ptr() not in loaded_ptrs]
+    unexpected = [k for k in state if k not in current]
+    wrong = [k for k in state if k in current and state[k].shape != current[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"checkpoint {path} does not match the served model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+@dataclass
+class CompletionJob:
+    """One HTTP completions request, tokenized and validated, waiting for the engine."""
+
+    prompts_ids: list[list[int]]
+    n: int
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    future: Future = field(default_factory=Future)
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts_ids) * self.n
+
+
+@dataclass
+class LoadJob:
+    """A weight swap, queued behind the requests that arrived before it."""
+
+    path: Path
+    version: int
+    future: Future = field(default_factory=Future)
+
+
+class Engine:
+    """Owns the model on one thread, so batches and weight swaps can never overlap."""
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: Any, logger: logging.Logger):
+        import torch
+
+        self.model, self.tokenizer, self.logger = model, tokenizer, logger
+        self.model_name, self.max_batch_size = cfg.model.name, cfg.inference.max_batch_size
+        self.version = -1  # base weights; the orchestrator loads version 0 before rollouts
+        # Seeded from the OS: replicas must not draw identical samples for unseeded requests.
+        self.generator = torch.Generator(device=model.device)
+        self.generator.seed()
+        self._pending: deque[CompletionJob | LoadJob] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    def submit(self, job: CompletionJob | LoadJob) -> Future:
+        with self._cond:
+            self._pending.append(job)
+            self._cond.notify()
+        return job.future
+
+    def _next_work(self) -> list[CompletionJob] | LoadJob | None:
+        """A weight load alone, or the queued requests up to max_batch_size rows (FIFO)."""
+        with self._cond:
+            while not self._pending and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            if isinstance(self._pending[0], LoadJob):
+                return self._pending.popleft()  # type: ignore[return-value]
+            batch: list[CompletionJob] = []
+            rows = 0
+            while self._pending and isinstance(head := self._pending[0], CompletionJob):
+                if batch and rows + head.rows > self.max_batch_size:
+                    break
+                self._pending.popleft()
+                if head.future.set_running_or_notify_cancel():  # False: client went away
+                    batch.append(head)
+                    rows += head.rows
+            return batch
+
+    def _loop(self) -> None:
+        while (work := self._next_work()) is not None:
+            if isinstance(work, LoadJob):
+                self._load(work)
+            elif work:
+                self._run_batch(work)
+
+    def _load(self, job: LoadJob) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        start = time.perf_counter()
+        try:
+            load_state_dict_in_place(self.model, job.path)
+        except Exception as exc:  # reported to the caller; the old weights stay in place
+            job.future.set_exception(exc)
+            return
+        self.version = job.version
+        seconds = time.perf_counter() - start
+        self.logger.info("loaded version %d from %s in %.2f s", job.version, job.path, seconds)
+        job.future.set_result({"policy_version": self.version, "load_s": seconds})
+
+    def _run_batch(self, jobs: list[CompletionJob]) -> None:
+        import torch
+
+        prompts, limits, temps, gens = [], [], [], []
+        for job in jobs:
+            gen = self.generator
+            if job.seed is not None:
+                gen = torch.Generator(device=self.model.device).manual_seed(job.seed)
+            for prompt in job.prompts_ids:
+                prompts += [prompt] * job.n
+                limits += [job.max_tokens] * job.n
+                temps += [job.temperature] * job.n
+                gens += [gen] * job.n
+        start = time.perf_counter()
+        try:
+            samples = generate(self.model, self.tokenizer, prompts, limits, temps, gens)
+        except Exception as exc:
+            self.logger.exception("batch of %d rows failed", len(prompts))
+            for job in jobs:
+                job.future.set_exception(exc)
+            return
+        tokens = sum(len(s.token_ids) for s in samples)
+        seconds = time.perf_counter() - start
+        self.logger.debug("batch of %d rows: %d tokens in %.2f s", len(prompts), tokens, seconds)
+        offset = 0
+        for job in jobs:
+            job.future.set_result((self.version, samples[offset : offset + job.rows]))
+            offset += job.rows
+
+
+class CompletionRequest(BaseModel):
+    """The subset of OpenAI's completions request the orchestrator uses."""
+
+    model: str = ""
+    prompt: str | list[str]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    n: int = 1
+    logprobs: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None  # accepted for compatibility, not applied
+
+
+class LoadWeightsRequest(BaseModel):
+    path: str
+    version: int
+
+
+def _encode(tokenizer: Any, prompt: str) -> list[int]:
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
+
+
+def check_request(
+    body: CompletionRequest, ids: list[list[int]], max_len: int, max_rows: int
+) -> str:
+    """Why the request cannot be served ("" when it can): checked before anything is queued."""
+    if not ids:
+        return "prompt is an empty list; send a string or a non-empty list of strings"
+    if body.n < 1 or body.max_tokens < 1 or body.temperature < 0:
+        got = f"n={body.n}, max_tokens={body.max_tokens}, temperature={body.temperature}"
+        return f"need n >= 1, max_tokens >= 1 and temperature >= 0; got {got}"
+    if len(ids) * body.n > max_rows:
+        return f"{len(ids)} prompts x n={body.n} exceeds inference.max_batch_size={max_rows}"
+    for i, prompt in enumerate(ids):
+        if not prompt or len(prompt) + body.max_tokens > max_len:
+            total = f"{len(prompt)} tokens + max_tokens={body.max_tokens}"
+            return f"prompt {i}: {total} must be between 1 and the context length {max_len}"
+    return ""
+
+
+def _choice(tokenizer: Any, index: int, prompt: list[int], sample: Sample, logprobs: bool) -> dict:
+    text_ids = sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids
+    choice = {
+        "index": index,
+        "text": tokenizer.decode(text_ids, skip_special_tokens=True),
+        "finish_reason": sample.finish_reason,
+        "prompt_token_ids": prompt,
+        "token_ids": sample.token_ids,
+        "logprobs": None,
+    }
+    if logprobs:
+        tokens = [tokenizer.decode([t]) for t in sample.token_ids]
+        choice["logprobs"] = {"tokens": tokens, "token_logprobs": sample.logprobs}
+    return choice
+
+
+def _response(
+    body: CompletionRequest, ids: list[list[int]], result: tuple[int, list[Sample]], engine: Engine
+) -> dict:
+    """The OpenAI completions response; choices are prompt-major (index = prompt * n + sample)."""
+    version, samples = result
+    want_logprobs = body.logprobs is not None
+    choices = [
+        _choice(engine.tokenizer, k, ids[k // body.n], sample, want_logprobs)
+        for k, sample in enumerate(samples)
+    ]
+    prompt_tokens = sum(len(p) for p in ids)
+    completion_tokens = sum(len(s.token_ids) for s in samples)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    usage["total_tokens"] = prompt_tokens + completion_tokens
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": engine.model_name,
+        "policy_version": version,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def build_app(engine: Engine, token: str, max_len: int) -> Any:
+    """The HTTP routes; every handler awaits the engine thread's future, never the model."""
+    from fastapi import Depends, FastAPI, Header, HTTPException
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    expected = f"Bearer {token}".encode()
+
+    def authorized(authorization: str | None = Header(None)) -> None:
+        if not hmac.compare_digest((authorization or "").encode(), expected):
+            raise HTTPException(401, "missing or wrong 'Authorization: Bearer <run token>'")
+
+    app = FastAPI(title="relay-inference")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
+        reasons = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"detail": "; ".join(reasons)}, status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "policy_version": engine.version}
+
+    @app.get("/admin/version", dependencies=[Depends(authorized)])
+    async def version() -> dict:
+        return {"policy_version": engine.version}
+
+    @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
+    async def load_weights(body: LoadWeightsRequest) -> dict:
+        path = Path(body.path)
+        if not is_complete(path):
+            raise HTTPException(400, f"path={body.path} is not a complete checkpoint (no COMPLETE)")
+        try:
+            return await asyncio.wrap_future(engine.submit(LoadJob(path, body.version)))
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from exc
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest) -> dict:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        ids = [_encode(engine.tokenizer, p) for p in prompts]
+        if reason := check_request(body, ids, max_len, engine.max_batch_size):
+            raise HTTPException(400, reason)
+        job = CompletionJob(ids, body.n, body.max_tokens, body.temperature, body.seed)
+        return _response(body, ids, await asyncio.wrap_future(engine.submit(job)), engine)
+
+    return app
+
+
+def _announce(server: Any, run_dir: Path, name: str, port: int, logger: logging.Logger) -> None:
+    """Publish the address only once uvicorn accepts connections, so clients never race it."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    write_address(run_dir, name, HOST, port)
+    logger.info("listening on http://%s:%d", HOST, port)
+
+
+def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
+    """Load the model, start the engine and serve until SIGTERM."""
+    import torch
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keeps the role's log one line per event
+    path = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    device = "cuda" if cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
+    model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
+    engine = Engine(model, load_tokenizer(path), cfg, logger)
+    max_len = cfg.model.inference.max_model_len or cfg.model.context_length
+    app = build_app(engine, run_token(run_dir), max_len)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, cfg.inference.port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, log_level="warning", access_log=False)
+    )
+    engine.start()
+    announce = (server, run_dir, name, port, logger)
+    threading.Thread(target=_announce, args=announce, daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+
+
+def main() -> None:
+    args = role_args("inference", extra=True)
+    cfg = load_run_config(args.run_dir)
+    name = f"inference-{args.replica}"
+    logger = setup_logging(name)
+    # The launcher's rule: an unset backend means vllm where the cluster has GPUs.
+    backend = cfg.inference.backend or (
+        Backend.vllm if cfg.cluster.gpus_per_node else Backend.embedded
+    )
+    if backend == Backend.vllm:
+        print(
+            "inference.backend=vllm is not available in this build; use embedded", file=sys.stderr
+        )
+        sys.exit(2)
+    serve(cfg, args.run_dir, name, logger)
+
+
+if __name__ == "__main__":
+    main()

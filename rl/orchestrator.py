@@ -1,0 +1,247 @@
+"""The orchestrator: samples prompts, gets completions from inference, scores them, computes
+group advantages and pushes scored groups to the rollout queue, within the staleness budget.
+
+Batch N may be generated once inference holds policy version >= N - async_level; the
+orchestrator loads the newest published weights into every inference server before each batch,
+and evaluates held-out prompts at version 0 (after warm-up), every `eval_every` versions and at
+the final version.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rl.advantages import ADVANTAGES
+from rl.envs import Environment, Example, make_environment
+from rl.runtime import (
+    append_jsonl,
+    auth_headers,
+    load_run_config,
+    role_args,
+    run_token,
+    setup_logging,
+    wait_for_address,
+)
+
+CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them into one batch
+
+
+class InferenceClient:
+    """OpenAI-compatible completions plus Relay's admin routes, for one or more servers."""
+
+    def __init__(self, urls: list[str], token: str, model: str) -> None:
+        self.urls = urls
+        self.model = model
+        self.http = httpx.Client(headers=auth_headers(token), timeout=httpx.Timeout(600.0))
+
+    def complete(
+        self, url: str, prompts: list[str], n: int, max_tokens: int, temperature: float
+    ) -> dict[str, Any]:
+        body = {
+            "model": self.model,
+            "prompt": prompts,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": 1,
+        }
+        response = self.http.post(f"{url}/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def complete_all(
+        self, prompts: list[str], n: int, max_tokens: int, temperature: float
+    ) -> list[dict[str, Any]]:
+        """Choices for every prompt (prompt-major), spread as concurrent requests."""
+        chunks = max(1, len(self.urls) * CHUNKS_PER_REPLICA)
+        size = max(1, -(-len(prompts) // chunks))
+        parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        with ThreadPoolExecutor(len(parts)) as pool:
+            futures = [
+                pool.submit(
+                    self.complete, self.urls[i % len(self.urls)], part, n, max_tokens, temperature
+                )
+                for i, part in enumerate(parts)
+            ]
+            responses = [f.result() for f in futures]
+        choices = []
+        for response in responses:
+            for choice in response["choices"]:
+                choice["policy_version"] = response["policy_version"]
+                choices.append(choice)
+        return choices
+
+    def load_weights(self, path: Path, version: int) -> None:
+        for url in self.urls:
+            response = self.http.post(
+                f"{url}/admin/load_weights", json={"path": str(path), "version": version}
+            )
+            response.raise_for_status()
+
+
+def newest_version(weights_dir: Path) -> int:
+    """Highest complete `weights/step_N`, or -1."""
+    from rl.model import is_complete
+
+    versions = [
+        int(p.name.split("_")[1])
+        for p in weights_dir.glob("step_*")
+        if p.name.split("_")[1].isdigit() and is_complete(p)
+    ]
+    return max(versions, default=-1)
+
+
+class Orchestrator:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.cfg = cfg = load_run_config(run_dir)
+        self.log = setup_logging("orchestrator")
+        self.env: Environment = make_environment(cfg.environment)
+        self.rng = random.Random(cfg.seed)
+        token = run_token(run_dir)
+        self.queue_url = wait_for_address(run_dir, "queue")
+        urls = [
+            wait_for_address(run_dir, f"inference-{i}")
+            for i in range(cfg.parallel.inference.replicas)
+        ]
+        self.inference = InferenceClient(urls, token, cfg.model.name)
+        self.queue = httpx.Client(headers=auth_headers(token), timeout=60.0)
+        self.version = -1
+        self.last_eval = -1
+        self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
+        (run_dir / "rollouts").mkdir(exist_ok=True)
+
+    def wait_for_version(self, minimum: int) -> None:
+        """Block until weights >= minimum are published, then load the newest into inference."""
+        weights_dir = self.run_dir / "weights"
+        started = time.monotonic()
+        while (newest := newest_version(weights_dir)) < minimum:
+            time.sleep(0.05)
+        if newest > self.version:
+            t0 = time.monotonic()
+            self.inference.load_weights(weights_dir / f"step_{newest}", newest)
+            self.log.info(
+                "loaded version %d into inference (waited %.2f s, load %.2f s)",
+                newest,
+                t0 - started,
+                time.monotonic() - t0,
+            )
+            self.version = newest
+        every = self.cfg.environment.eval_every
+        if self.last_eval < 0 or (every and self.version // every > self.last_eval // every):
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        examples = self.env.eval_examples()
+        t0 = time.monotonic()
+        choices = self.inference.complete_all(
+            [e.prompt for e in examples], 1, self.cfg.environment.max_tokens, 0.0
+        )
+        rewards = [self.env.reward(e, c["text"]) for e, c in zip(examples, choices, strict=True)]
+        exact = [self.env.exact_match(e, c["text"]) for e, c in zip(examples, choices, strict=True)]
+        record = {
+            "step": self.version,
+            "eval/exact_match": sum(exact) / len(exact),
+            "eval/reward/mean": sum(rewards) / len(rewards),
+            "eval/samples": len(examples),
+            "time/eval": time.monotonic() - t0,
+        }
+        append_jsonl(self.run_dir / "metrics.jsonl", record)
+        self.log.info(
+            "eval at version %d: exact_match %.3f reward %.3f",
+            self.version,
+            record["eval/exact_match"],
+            record["eval/reward/mean"],
+        )
+        self.last_eval = self.version
+
+    def generate(self, step: int) -> None:
+        env_cfg, algo = self.cfg.environment, self.cfg.algorithm
+        examples = self.rng.sample(self.env.train_examples(), env_cfg.prompts_per_step)
+        t0 = time.monotonic()
+        choices = self.inference.complete_all(
+            [e.prompt for e in examples], env_cfg.group_size, env_cfg.max_tokens, algo.temperature
+        )
+        gen_s = time.monotonic() - t0
+        n = env_cfg.group_size
+        groups = [self.score(e, choices[i * n : (i + 1) * n]) for i, e in enumerate(examples)]
+        self.push(groups)
+        self.save_rollouts(step, examples[0], choices[:n], groups[0])
+        versions = {c["policy_version"] for c in choices}
+        self.log.info(
+            "batch %d generated with version %s in %.2f s (%d samples, started %.3f, ended %.3f)",
+            step,
+            sorted(versions),
+            gen_s,
+            len(choices),
+            t0,
+            t0 + gen_s,
+        )
+
+    def score(self, example: Example, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        rewards = [self.env.reward(example, c["text"]) for c in choices]
+        advantages = self.advantage(rewards)
+        versions = [c["policy_version"] for c in choices]
+        samples = [
+            {
+                "prompt_ids": c["prompt_token_ids"],
+                "completion_ids": c["token_ids"],
+                "logprobs": c["logprobs"]["token_logprobs"],
+                "reward": r,
+                "advantage": a,
+                "min_version": v,
+                "max_version": v,
+            }
+            for c, r, a, v in zip(choices, rewards, advantages, versions, strict=True)
+        ]
+        return {"samples": samples, "min_version": min(versions), "max_version": max(versions)}
+
+    def push(self, groups: list[dict[str, Any]]) -> None:
+        """Push a batch's groups in one request; wait and retry while the queue is full."""
+        while True:
+            response = self.queue.post(f"{self.queue_url}/push", json={"groups": groups})
+            if response.status_code != 429:
+                response.raise_for_status()
+                return
+            time.sleep(float(response.headers.get("Retry-After", "0.2")))
+
+    def save_rollouts(
+        self, step: int, example: Example, choices: list[dict[str, Any]], group: dict[str, Any]
+    ) -> None:
+        for choice, sample in zip(choices, group["samples"], strict=True):
+            record = {
+                "step": step,
+                "version": sample["min_version"],
+                "prompt": example.prompt,
+                "answer": example.answer,
+                "completion": choice["text"],
+                "reward": sample["reward"],
+                "advantage": sample["advantage"],
+            }
+            append_jsonl(self.run_dir / "rollouts" / "samples.jsonl", record)
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.wait_for_version(0)
+        for step in range(cfg.max_steps):
+            self.wait_for_version(step - cfg.algorithm.async_level)
+            self.generate(step)
+        self.wait_for_version(cfg.max_steps)
+        if self.last_eval != cfg.max_steps:
+            self.evaluate()
+        self.log.info("done: %d batches generated", cfg.max_steps)
+
+
+def main() -> None:
+    args = role_args("orchestrator")
+    Orchestrator(args.run_dir).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""What every role process shares: the run directory, its config, addresses and the run token.
+
+Roles find each other through the run directory (a shared filesystem on a cluster): a server
+writes `addresses/<name>.json` once it listens, and clients wait for that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from rl.config import RunConfig
+
+TOKEN_ENV = "RELAY_TOKEN"
+
+
+def role_args(role: str, extra: bool = False) -> argparse.Namespace:
+    """Parse the common `--run-dir` argument of a role entry point."""
+    parser = argparse.ArgumentParser(prog=f"python -m rl.{role}")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--replica", type=int, default=0)
+    if extra:
+        args, rest = parser.parse_known_args()
+        args.rest = [a for a in rest if a != "--"]
+        return args
+    return parser.parse_args()
+
+
+def load_run_config(run_dir: Path) -> DictConfig:
+    """The resolved config the launcher wrote, re-validated against the schema."""
+    loaded = OmegaConf.load(run_dir / "config.yaml")
+    return OmegaConf.merge(OmegaConf.structured(RunConfig), loaded)  # type: ignore[return-value]
+
+
+def setup_logging(role: str) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s.%(msecs)03d {role} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return logging.getLogger(role)
+
+
+def run_token(run_dir: Path) -> str:
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    return (run_dir / "token").read_text().strip()
+
+
+def auth_headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def write_address(run_dir: Path, name: str, host: str, port: int) -> None:
+    """Record where `name` listens; written atomically so readers never see half a file."""
+    folder = run_dir / "addresses"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{name}.json.tmp"
+    tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
+    tmp.rename(folder / f"{name}.json")
+
+
+def wait_for_address(run_dir: Path, name: str, timeout: float = 300.0) -> str:
+    """The base URL of `name`, once it has written its address; a clear error after timeout."""
+    path = run_dir / "addresses" / f"{name}.json"
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not write {path} within {timeout:.0f} s")
+        time.sleep(0.1)
+    info = json.loads(path.read_text())
+    return f"http://{info['host']}:{info['port']}"
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line with a single write (several roles append to metrics.jsonl)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -1,0 +1,271 @@
+"""The trainer: pulls step N's batch from the rollout queue, computes the loss with importance
+correction against the inference logprobs, steps AdamW, publishes policy version N+1 to
+`weights/step_{N+1}/` and checkpoints. Runs under torchrun; torch.distributed is initialised
+even for one process, so the same code path serves a larger world.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rl.algorithms import LOSSES
+from rl.envs import Example, make_environment
+from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.runtime import (
+    append_jsonl,
+    auth_headers,
+    load_run_config,
+    role_args,
+    run_token,
+    setup_logging,
+    wait_for_address,
+)
+
+
+def pad_batch(
+    sequences: list[list[int]], completion_starts: list[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask, and a mask over the completion tokens of each row."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    completion = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, (seq, start) in enumerate(zip(sequences, completion_starts, strict=True)):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attention[row, : len(seq)] = 1
+        completion[row, start : len(seq)] = True
+    return ids, attention, completion
+
+
+def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[Any, Any]:
+    """Log-probability of each token given its prefix (position t scores token t), and the
+    entropy of the predicting distribution; position 0 gets 0."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    logp_all = F.log_softmax(logits, dim=-1)
+    picked = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    zero = torch.zeros_like(picked[:, :1])
+    return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
+
+
+class Trainer:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.cfg = cfg = load_run_config(run_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.log = setup_logging(f"trainer-{self.rank}")
+        torch.manual_seed(cfg.seed)
+        if self.rank == 0:  # build the base model once, before the other ranks look for it
+            ensure_checkpoint(cfg.model, seed=cfg.seed)
+        dist.barrier()
+        base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+        self.model = load_model(base, dtype=cfg.model.dtype)
+        self.tokenizer = load_tokenizer(base)
+        lr = cfg.algorithm.lr if cfg.algorithm.lr is not None else cfg.model.lr
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=lr,
+            betas=tuple(cfg.algorithm.betas),
+            weight_decay=cfg.algorithm.weight_decay,
+        )
+        self.loss_fn = LOSSES[str(cfg.algorithm.loss)]
+        self.weights_dir = run_dir / "weights"
+        self.weights_dir.mkdir(exist_ok=True)
+
+    def all_reduce_grads(self) -> None:
+        if self.world == 1:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+
+    def encode_sft(self, example: Example) -> tuple[list[int], int]:
+        tok = self.tokenizer
+        prompt = [tok.bos_token_id, *tok.encode(example.prompt, add_special_tokens=False)]
+        answer = tok.encode(example.answer, add_special_tokens=False) + [tok.eos_token_id]
+        return prompt + answer, len(prompt)
+
+    def warmup(self) -> None:
+        """Supervised warm-up: cross-entropy on the answers of training examples."""
+        cfg = self.cfg.warmup
+        if cfg.steps <= 0:
+            return
+        examples = make_environment(self.cfg.environment).train_examples()
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        t0 = time.monotonic()
+        for step in range(cfg.steps):
+            picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
+            mine = picks[self.rank :: self.world]
+            encoded = [self.encode_sft(examples[i]) for i in mine]
+            ids, attention, completion = pad_batch(
+                [e[0] for e in encoded], [e[1] for e in encoded], self.tokenizer.pad_token_id
+            )
+            logp, _ = token_logprobs(self.model, ids, attention)
+            loss = -(logp * completion).sum() / completion.sum()
+            optimizer.zero_grad()
+            loss.backward()
+            self.all_reduce_grads()
+            optimizer.step()
+            if step % 10 == 0 or step == cfg.steps - 1:
+                self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
+        self.log.info("warmup done in %.1f s", time.monotonic() - t0)
+
+    def fetch(self, http: httpx.Client, queue_url: str, step: int) -> dict[str, Any]:
+        params = {"step": step, "rank": self.rank, "world": self.world, "wait": 10}
+        while True:
+            response = http.get(f"{queue_url}/batch", params=params)
+            if response.status_code == 200:
+                return response.json()
+            if response.status_code != 204:
+                response.raise_for_status()
+
+    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """One optimiser step over this rank's samples, in micro-batches."""
+        algo = self.cfg.algorithm
+        total_tokens = torch.tensor(float(sum(len(s["completion_ids"]) for s in samples)))
+        if self.world > 1:
+            dist.all_reduce(total_tokens)
+        self.optimizer.zero_grad()
+        sums = {"loss": 0.0, "entropy": 0.0, "masked_fraction": 0.0, "mismatch_kl": 0.0}
+        mb = self.cfg.trainer.micro_batch_size
+        for start in range(0, len(samples), mb):
+            part = samples[start : start + mb]
+            ids, attention, completion = pad_batch(
+                [s["prompt_ids"] + s["completion_ids"] for s in part],
+                [len(s["prompt_ids"]) for s in part],
+                self.tokenizer.pad_token_id,
+            )
+            inference_logp = torch.zeros(ids.shape)
+            for row, s in enumerate(part):
+                p = len(s["prompt_ids"])
+                inference_logp[row, p : p + len(s["logprobs"])] = torch.tensor(s["logprobs"])
+            advantages = torch.tensor([s["advantage"] for s in part])
+            logp, entropy = token_logprobs(self.model, ids, attention)
+            loss, stats = self.loss_fn(
+                logp,
+                inference_logp,
+                advantages,
+                completion,
+                prob_diff_pos=algo.prob_diff_pos,
+                prob_diff_neg=algo.prob_diff_neg,
+                log_ratio_coef=algo.log_ratio_coef,
+            )
+            weight = completion.sum() / total_tokens  # token-normalised over the whole batch
+            (loss * weight).backward()
+            sums["loss"] += loss.item() * weight.item()
+            sums["entropy"] += float((entropy * completion).sum() / total_tokens)
+            for key in ("masked_fraction", "mismatch_kl"):
+                sums[key] += stats[key] * weight.item()
+        self.all_reduce_grads()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
+        self.optimizer.step()
+        return {**sums, "grad_norm": float(grad_norm)}
+
+    def publish(self, version: int) -> None:
+        if self.rank != 0:
+            return
+        publish_weights(self.model, self.tokenizer, self.weights_dir / f"step_{version}")
+        stale = version - self.cfg.trainer.keep_weights
+        if stale > 0:
+            shutil.rmtree(self.weights_dir / f"step_{stale}", ignore_errors=True)
+
+    def checkpoint(self, step: int) -> None:
+        if self.rank != 0:
+            return
+        folder = self.run_dir / "checkpoints"
+        folder.mkdir(exist_ok=True)
+        state = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+        tmp = folder / f".step_{step}.pt.tmp"
+        torch.save(state, tmp)
+        tmp.rename(folder / f"step_{step}.pt")
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.warmup()
+        self.publish(0)
+        http = httpx.Client(headers=auth_headers(run_token(self.run_dir)), timeout=120.0)
+        queue_url = wait_for_address(self.run_dir, "queue")
+        for step in range(cfg.max_steps):
+            t0 = time.monotonic()
+            batch = self.fetch(http, queue_url, step)
+            t_fetch = time.monotonic() - t0
+            samples = batch["samples"]
+            stats = self.train_step(samples)
+            self.publish(step + 1)
+            elapsed = time.monotonic() - t0
+            if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
+                self.checkpoint(step + 1)
+            if self.rank == 0:
+                self.record(step, batch, samples, stats, elapsed, t_fetch)
+        self.checkpoint(cfg.max_steps)
+        self.log.info("done: %d steps", cfg.max_steps)
+
+    def record(
+        self,
+        step: int,
+        batch: dict[str, Any],
+        samples: list[dict[str, Any]],
+        stats: dict[str, float],
+        elapsed: float,
+        t_fetch: float,
+    ) -> None:
+        staleness = [step - s["min_version"] for s in samples]
+        tokens = sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
+        record = {
+            "step": step + 1,
+            "reward/mean": sum(s["reward"] for s in samples) / len(samples),
+            "loss": stats["loss"],
+            "entropy": stats["entropy"],
+            "mismatch_kl": stats["mismatch_kl"],
+            "masked_fraction": stats["masked_fraction"],
+            "grad_norm": stats["grad_norm"],
+            "off_policy/staleness_max": max(staleness),
+            "off_policy/staleness_mean": sum(staleness) / len(staleness),
+            "off_policy/dropped": batch["dropped"],
+            "versions": sorted({s["min_version"] for s in samples}),
+            "samples": len(samples) * self.world,
+            "time/step": elapsed,
+            "time/wait_batch": t_fetch,
+            "throughput/tokens_per_s": tokens * self.world / elapsed,
+            "throughput/samples_per_s": len(samples) * self.world / elapsed,
+            "timestamp": time.time(),
+        }
+        append_jsonl(self.run_dir / "metrics.jsonl", record)
+        self.log.info(
+            "step %d reward %.3f loss %.4f staleness %d (wait %.2f s, step %.2f s)",
+            step + 1,
+            record["reward/mean"],
+            record["loss"],
+            record["off_policy/staleness_max"],
+            t_fetch,
+            elapsed,
+        )
+
+
+def main() -> None:
+    args = role_args("trainer")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    try:
+        Trainer(args.run_dir).run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The embedded inference server: generate() against full forward passes, and the real server.
+
+`generate` is checked directly (left padding, KV cache, sampling logprobs, stopping); the server
+is started as a real process and exercised over HTTP, weight swaps and concurrency included.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rl.inference import _encode, generate
+from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.runtime import auth_headers, wait_for_address
+from tests.conftest import ROOT, compose_run
+
+PROMPTS = ["hello world", "ab", "the quick brown fox jumps over"]
+TOKEN = "test-token"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private RELAY_CACHE so the tiny model is built here (and inherited by servers)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("relay_cache")
+        mp.setenv("RELAY_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def cfg(cache: Path) -> DictConfig:
+    return compose_run()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(cfg: DictConfig) -> Path:
+    return ensure_checkpoint(cfg.model, seed=cfg.seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint: Path, cfg: DictConfig) -> tuple[Any, Any]:
+    return load_model(checkpoint, dtype=cfg.model.dtype).eval(), load_tokenizer(checkpoint)
+
+
+def reference_logprobs(model: Any, prompt: list[int], completion: list[int], temp: float) -> Any:
+    """Logprobs of `completion` from one uncached, unpadded forward pass over the sequence."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logp = torch.log_softmax(logits / (temp or 1.0), dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
+    return logp[positions, torch.tensor(completion)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_match_full_forward(tiny: tuple[Any, Any], temperature: float) -> None:
+    model, tokenizer = tiny
+    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # left padding really happens
+    samples = generate(model, tokenizer, prompts, 24, temperature)
+    for prompt, sample in zip(prompts, samples, strict=True):
+        assert len(sample.token_ids) == len(sample.logprobs) > 0
+        ref = reference_logprobs(model, prompt, sample.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_batch_equals_each_prompt_alone(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    batched = generate(model, tokenizer, prompts, 20, 0.0)
+    for prompt, sample in zip(prompts, batched, strict=True):
+        alone = generate(model, tokenizer, [prompt], 20, 0.0)[0]
+        assert sample.token_ids == alone.token_ids
+        assert sample.finish_reason == alone.finish_reason
+
+
+def test_per_row_limits_and_eos_stop(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    first = generate(model, tokenizer, prompts[:1], 1, 0.0)[0].token_ids[0]
+    # A tokenizer whose EOS is the greedy first token of prompt 0: that row must stop at once.
+    fake = SimpleNamespace(eos_token_id=first, pad_token_id=tokenizer.pad_token_id)
+    samples = generate(model, fake, prompts, [5, 3, 7], 0.0)
+    assert samples[0].token_ids == [first] and samples[0].finish_reason == "stop"
+    for sample, limit in zip(samples[1:], [3, 7], strict=True):
+        assert first not in sample.token_ids[:-1]  # nothing after an EOS
+        if sample.finish_reason == "length":
+            assert len(sample.token_ids) == limit
+
+
+def test_seeded_rows_ignore_batch_neighbours(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+
+    def seeded() -> torch.Generator:
+        return torch.Generator().manual_seed(1234)
+
+    alone = generate(model, tokenizer, prompts[:1], 16, 1.0, [seeded()])[0]
+    shared = seeded()
+    mixed = generate(model, tokenizer, prompts, 16, 1.0, [shared, None, None])[0]
+    assert mixed.token_ids == alone.token_ids
+
+
+@pytest.fixture(scope="module")
+def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real `python -m rl.inference` process; ended by its process group id."""
+    run_dir = tmp_path_factory.mktemp("run")
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    (run_dir / "token").write_text(TOKEN)
+    log = open(run_dir / "inference.log", "w")  # closed in teardown, after the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir), "--replica", "0"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        try:
+            url = wait_for_address(run_dir, "inference-0", timeout=120)
+        except TimeoutError:
+            pytest.fail((run_dir / "inference.log").read_text())
+        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+            yield SimpleNamespace(client=client, url=url, run_dir=run_dir, proc=proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail("the server did not stop within 20 s of SIGTERM")
+        finally:
+            log.close()
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status still names it.
+    assert proc.returncode in (0, -signal.SIGTERM)
+
+
+def complete(client: httpx.Client, **body: Any) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": "tiny", **body})
+
+
+@pytest.mark.slow
+def test_server_health_and_completions(server: Any) -> None:
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "policy_version": -1}
+    resp = complete(server.client, prompt=PROMPTS, n=4, max_tokens=12, logprobs=1)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "text_completion" and body["policy_version"] == -1
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(12))
+    for c in choices:
+        assert c["prompt_token_ids"] == choices[(c["index"] // 4) * 4]["prompt_token_ids"]
+        assert 0 < len(c["token_ids"]) == len(c["logprobs"]["token_logprobs"]) <= 12
+        assert len(c["logprobs"]["tokens"]) == len(c["token_ids"])
+        assert c["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+
+
+@pytest.mark.slow
+def test_server_rejects_bad_requests(server: Any) -> None:
+    no_token = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab"})
+    assert no_token.status_code == 401
+    wrong = httpx.get(f"{server.url}/admin/version", headers=auth_headers("wrong"))
+    assert wrong.status_code == 401
+    too_long = {"prompt": "ab", "max_tokens": 500}  # beyond the 128-token context
+    for body in ({"prompt": []}, {"prompt": "ab", "n": 0}, too_long, {"max_tokens": 4}):
+        resp = complete(server.client, **body)
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["detail"]
+    missing = server.client.post("/admin/load_weights", json={"path": "/nope", "version": 3})
+    assert missing.status_code == 400 and "/nope" in missing.json()["detail"]
+
+
+@pytest.mark.slow
+def test_server_concurrent_requests(server: Any) -> None:
+    def one(i: int) -> dict:
+        resp = complete(server.client, prompt=PROMPTS[i % 3], n=2, max_tokens=8 + i, logprobs=0)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    with ThreadPoolExecutor(20) as pool:
+        bodies = list(pool.map(one, range(20)))
+    for i, body in enumerate(bodies):
+        assert len(body["choices"]) == 2
+        assert all(len(c["token_ids"]) <= 8 + i for c in body["choices"])
+
+
+@pytest.fixture(scope="module")
+def step_1(server: Any, tiny: tuple[Any, Any], checkpoint: Path) -> Path:
+    """The base weights with the final norm negated: every logit flips sign, so greedy changes."""
+    model = load_model(checkpoint)
+    with torch.no_grad():
+        model.model.norm.weight.neg_()
+    target = server.run_dir / "weights" / "step_1"
+    publish_weights(model, tiny[1], target)
+    return target
+
+
+def load_version(client: httpx.Client, path: Path, version: int) -> dict:
+    resp = client.post("/admin/load_weights", json={"path": str(path), "version": version})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.slow
+def test_server_weight_swap(server: Any, checkpoint: Path, step_1: Path) -> None:
+    """Loading version 0 (base weights) and then changed weights changes the outputs."""
+    greedy = {"prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    assert load_version(server.client, checkpoint, 0)["policy_version"] == 0
+    before = complete(server.client, **greedy).json()
+    assert before["policy_version"] == 0
+    loaded = load_version(server.client, step_1, 1)
+    assert loaded["policy_version"] == 1 and loaded["load_s"] >= 0
+    assert server.client.get("/admin/version").json() == {"policy_version": 1}
+    assert httpx.get(f"{server.url}/health").json()["policy_version"] == 1
+    after = complete(server.client, **greedy).json()
+    assert after["policy_version"] == 1
+    assert [c["token_ids"] for c in before["choices"]] != [c["token_ids"] for c in after["choices"]]
+
+
+@pytest.mark.slow
+def test_swaps_under_load_report_the_version_used(
+    server: Any, checkpoint: Path, step_1: Path
+) -> None:
+    """Weights swapped while requests stream: each answer is exactly its reported version's."""
+    paths = {0: checkpoint, 1: step_1}
+    greedy = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0}
+    expected = {}
+    for version, path in paths.items():
+        load_version(server.client, path, version)
+        expected[version] = complete(server.client, **greedy).json()["choices"][0]["token_ids"]
+    assert expected[0] != expected[1]
+
+    with ThreadPoolExecutor(16) as pool:
+        pending = [pool.submit(complete, server.client, **greedy) for _ in range(48)]
+        for i in range(6):
+            load_version(server.client, paths[i % 2], i % 2)
+        bodies = [f.result().json() for f in pending]
+    for body in bodies:
+        assert body["choices"][0]["token_ids"] == expected[body["policy_version"]]
+    assert {b["policy_version"] for b in bodies} <= {0, 1}
+
+
+@pytest.mark.slow
+def test_vllm_backend_exits_with_status_2(cfg: DictConfig, tmp_path: Path) -> None:
+    cfg = copy.deepcopy(cfg)
+    cfg.inference.backend = "vllm"
+    OmegaConf.save(cfg, tmp_path / "config.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl.inference", "--run-dir", str(tmp_path), "--replica", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "vllm" in proc.stderr and "not available" in proc.stderr
