@@ -54,10 +54,10 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
         mode=mode,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
     )
-    for record in records:
-        run.log(
-            {k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"]
-        )
+    # Eval lines can land after later train lines; wandb needs steps in order.
+    for record in sorted(records, key=lambda r: r["step"]):
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
+        run.log(numbers, step=record["step"])
     run.finish()
     return mode
 
