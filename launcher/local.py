@@ -80,6 +80,9 @@ def start_children(run_plan: RunPlan, run_dir: Path, token: str) -> list[Child]:
             start_new_session=True,  # its own process group, so teardown reaches its children
         )
         children.append(Child(spec.name, spec.role, proc, log_path, log_file))
+    # Each child leads its own process group (pgid == pid): recorded for audits and tests.
+    pids = {c.name: c.proc.pid for c in children}
+    (run_dir / "pids.json").write_text(json.dumps(pids))
     return children
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +43,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def write_run_dir(run_dir: Path, cfg: DictConfig, token: str) -> Path:
+    """A run directory as the launcher writes it: resolved config and the run token."""
+    from omegaconf import OmegaConf
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    (run_dir / "token").write_text(token)
+    return run_dir
+
+
+def start_role(role: str, run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`python -m rl.<role>` in its own process group, logging to run_dir/<role>.log."""
+    with open(run_dir / f"{role}.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", f"rl.{role}", "--run-dir", str(run_dir), *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_role(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 20) -> None:
+    """End a role's process group by its id: `sig`, then SIGKILL after `grace` seconds."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -7,7 +7,6 @@ is started as a real process and exercised over HTTP, weight swaps and concurren
 from __future__ import annotations
 
 import copy
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from rl.inference import _encode, generate
 from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
 from rl.runtime import auth_headers, wait_for_address
-from tests.conftest import ROOT, compose_run
+from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
 
 PROMPTS = ["hello world", "ab", "the quick brown fox jumps over"]
 TOKEN = "test-token"
@@ -116,17 +115,8 @@ def test_seeded_rows_ignore_batch_neighbours(tiny: tuple[Any, Any]) -> None:
 @pytest.fixture(scope="module")
 def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A real `python -m rl.inference` process; ended by its process group id."""
-    run_dir = tmp_path_factory.mktemp("run")
-    OmegaConf.save(cfg, run_dir / "config.yaml")
-    (run_dir / "token").write_text(TOKEN)
-    log = open(run_dir / "inference.log", "w")  # closed in teardown, after the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rl.inference", "--run-dir", str(run_dir), "--replica", "0"],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+    proc = start_role("inference", run_dir, "--replica", "0")
     try:
         try:
             url = wait_for_address(run_dir, "inference-0", timeout=120)
@@ -135,15 +125,7 @@ def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathF
         with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
             yield SimpleNamespace(client=client, url=url, run_dir=run_dir, proc=proc)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail("the server did not stop within 20 s of SIGTERM")
-        finally:
-            log.close()
+        stop_role(proc)
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status still names it.
     assert proc.returncode in (0, -signal.SIGTERM)
 
