@@ -48,7 +48,7 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
 
     run = wandb.init(
         project=cfg.wandb.project,
-        group=cfg.wandb.group,
+        group=cfg.wandb.group or _sweep_group(),
         name=f"{cfg.name}-{run_dir.name}",
         dir=str(run_dir),
         mode=mode,
@@ -60,6 +60,17 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
         run.log(numbers, step=record["step"])
     run.finish()
     return mode
+
+
+def _sweep_group() -> str | None:
+    """Every point of a multirun sweep shares a wandb group named after the sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return f"{hydra_cfg.job.config_name}-{Path(hydra_cfg.sweep.dir).name}"
 
 
 def finish_run(cfg: DictConfig, run_dir: Path, records: list[dict], wall_s: float) -> None:
