@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,31 @@ class InferenceClient:
                 f"{url}/admin/load_weights", json={"path": str(path), "version": version}
             )
             response.raise_for_status()
+
+
+def score_group(
+    env: Environment,
+    advantage: Callable[[list[float]], list[float]],
+    example: Example,
+    choices: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The completions of one prompt as a queue group: rewards, advantages, versions."""
+    rewards = [env.reward(example, c["text"]) for c in choices]
+    advantages = advantage(rewards)
+    versions = [c["policy_version"] for c in choices]
+    samples = [
+        {
+            "prompt_ids": c["prompt_token_ids"],
+            "completion_ids": c["token_ids"],
+            "logprobs": c["logprobs"]["token_logprobs"],
+            "reward": r,
+            "advantage": a,
+            "min_version": v,
+            "max_version": v,
+        }
+        for c, r, a, v in zip(choices, rewards, advantages, versions, strict=True)
+    ]
+    return {"samples": samples, "min_version": min(versions), "max_version": max(versions)}
 
 
 def newest_version(weights_dir: Path) -> int:
@@ -170,7 +196,10 @@ class Orchestrator:
         )
         gen_s = time.monotonic() - t0
         n = env_cfg.group_size
-        groups = [self.score(e, choices[i * n : (i + 1) * n]) for i, e in enumerate(examples)]
+        groups = [
+            score_group(self.env, self.advantage, e, choices[i * n : (i + 1) * n])
+            for i, e in enumerate(examples)
+        ]
         self.push(groups)
         self.save_rollouts(step, examples[0], choices[:n], groups[0])
         versions = {c["policy_version"] for c in choices}
@@ -183,24 +212,6 @@ class Orchestrator:
             t0,
             t0 + gen_s,
         )
-
-    def score(self, example: Example, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        rewards = [self.env.reward(example, c["text"]) for c in choices]
-        advantages = self.advantage(rewards)
-        versions = [c["policy_version"] for c in choices]
-        samples = [
-            {
-                "prompt_ids": c["prompt_token_ids"],
-                "completion_ids": c["token_ids"],
-                "logprobs": c["logprobs"]["token_logprobs"],
-                "reward": r,
-                "advantage": a,
-                "min_version": v,
-                "max_version": v,
-            }
-            for c, r, a, v in zip(choices, rewards, advantages, versions, strict=True)
-        ]
-        return {"samples": samples, "min_version": min(versions), "max_version": max(versions)}
 
     def push(self, groups: list[dict[str, Any]]) -> None:
         """Push a batch's groups in one request; wait and retry while the queue is full."""

@@ -1,0 +1,74 @@
+"""Unit tests of the orchestrator's scoring and the trainer's token bookkeeping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl.advantages import group_mean
+from rl.envs import Example, make_environment
+from rl.orchestrator import newest_version, score_group
+from rl.trainer import pad_batch, token_logprobs
+from tests.conftest import compose_run
+
+
+def choice(text: str, ids: list[int], version: int) -> dict:
+    return {
+        "text": text,
+        "prompt_token_ids": [1, 5, 6],
+        "token_ids": ids,
+        "logprobs": {"token_logprobs": [-0.1] * len(ids)},
+        "policy_version": version,
+    }
+
+
+def test_score_group_rewards_advantages_and_versions() -> None:
+    env = make_environment(compose_run().environment)
+    example = Example("reverse: abc\n", "cba")
+    choices = [choice("cba", [7, 8, 9, 2], 4), choice("xyz", [10, 11, 12, 2], 5)]
+    group = score_group(env, group_mean, example, choices)
+    assert [s["reward"] for s in group["samples"]] == [1.0, 0.0]
+    assert [s["advantage"] for s in group["samples"]] == [0.5, -0.5]
+    assert (group["min_version"], group["max_version"]) == (4, 5)
+    assert group["samples"][1]["completion_ids"] == [10, 11, 12, 2]
+
+
+def test_newest_version_ignores_incomplete(tmp_path: Path) -> None:
+    for n, complete in ((0, True), (1, True), (2, False)):
+        (tmp_path / f"step_{n}").mkdir()
+        if complete:
+            (tmp_path / f"step_{n}" / "COMPLETE").touch()
+    (tmp_path / "step_3.tmp").mkdir()
+    assert newest_version(tmp_path) == 1
+    assert newest_version(tmp_path / "missing") == -1
+
+
+def test_pad_batch_marks_completion_tokens() -> None:
+    ids, attention, completion = pad_batch([[1, 2, 3, 4], [1, 2, 5]], [2, 1], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3, 4], [1, 2, 5, 0]]
+    assert attention.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert completion.tolist() == [[False, False, True, True], [False, True, True, False]]
+
+
+class Bigram(torch.nn.Module):
+    """A model whose next-token logits depend only on the current token: easy to check."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):  # noqa: ARG002
+        return type("Out", (), {"logits": self.table[input_ids]})
+
+
+def test_token_logprobs_score_each_token_given_its_prefix() -> None:
+    torch.manual_seed(0)
+    model = Bigram(6)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    logp, entropy = token_logprobs(model, ids, torch.ones_like(ids))
+    table = torch.log_softmax(model.table.detach(), dim=-1)
+    expected = [0.0, table[1, 2].item(), table[2, 3].item(), table[3, 4].item()]
+    assert logp[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert entropy[0, 1].item() == pytest.approx(-(table[1].exp() * table[1]).sum().item())
