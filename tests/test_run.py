@@ -146,34 +146,31 @@ def wait_for_training(run_dir: Path, launcher: subprocess.Popen[str]) -> dict[st
     return json.loads((run_dir / "pids.json").read_text())
 
 
-@pytest.mark.parametrize("role", ["queue", "inference-0", "orchestrator", "trainer"])
-def test_killing_a_role_ends_the_run(tmp_path: Path, cache: Path, role: str) -> None:
-    run_dir = tmp_path / "run"
+def interrupt_training(run_dir: Path, cache: Path, target: str, sig: int) -> tuple[int, str]:
+    """Start a long run, send `sig` to `target` (a role, or the launcher) once it trains,
+    and return the launcher's exit status and stderr."""
     launcher = start_long_run(run_dir, cache)
     try:
         pids = wait_for_training(run_dir, launcher)
-        os.kill(pids[role], signal.SIGKILL)
+        os.kill(launcher.pid if target == "launcher" else pids[target], sig)
         _, stderr = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-    assert launcher.returncode == 1
+    return launcher.returncode, stderr
+
+
+@pytest.mark.parametrize("role", ["queue", "inference-0", "orchestrator", "trainer"])
+def test_killing_a_role_ends_the_run(tmp_path: Path, cache: Path, role: str) -> None:
+    code, stderr = interrupt_training(tmp_path / "run", cache, role, signal.SIGKILL)
+    assert code == 1
     assert f"role {role} exited with code -9" in stderr
-    assert_no_process_left(run_dir)
+    assert_no_process_left(tmp_path / "run")
 
 
 def test_ctrl_c_stops_every_role(tmp_path: Path, cache: Path) -> None:
-    run_dir = tmp_path / "run"
-    launcher = start_long_run(run_dir, cache)
-    try:
-        wait_for_training(run_dir, launcher)
-        os.kill(launcher.pid, signal.SIGINT)
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 130
+    code, stderr = interrupt_training(tmp_path / "run", cache, "launcher", signal.SIGINT)
+    assert code == 130
     assert "interrupted" in stderr
-    assert_no_process_left(run_dir)
+    assert_no_process_left(tmp_path / "run")
