@@ -314,8 +314,9 @@ class WarmupConfig:
 class TrainerConfig:
     """The trainer role."""
 
-    micro_batch_size: int = 256
-    """Samples per forward/backward pass (gradients are accumulated across them)."""
+    micro_batch_tokens: int = 8192
+    """Most tokens (prompt + completion) per forward/backward pass; the queue packs samples into
+    micro-batches under this budget and gradients are accumulated across them."""
     checkpoint_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
     keep_weights: int = 3

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import socket
 import sys
 import threading
 import time
@@ -29,7 +28,14 @@ from pydantic import BaseModel
 
 from rl.config import Backend
 from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer
-from rl.runtime import load_run_config, role_args, run_token, setup_logging, write_address
+from rl.runtime import (
+    listen_socket,
+    load_run_config,
+    role_args,
+    run_token,
+    setup_logging,
+    write_address,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -446,9 +452,7 @@ def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
     engine = Engine(model, load_tokenizer(path), cfg, logger)
     max_len = cfg.model.inference.max_model_len or cfg.model.context_length
     app = build_app(engine, run_token(run_dir), max_len)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, cfg.inference.port))
+    sock = listen_socket(HOST, cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, log_config=None, log_level="warning", access_log=False)

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from rl import wire
 from rl.advantages import ADVANTAGES
 from rl.envs import Environment, Example, make_environment
 from rl.runtime import (
@@ -216,7 +217,11 @@ class Orchestrator:
     def push(self, groups: list[dict[str, Any]]) -> None:
         """Push a batch's groups in one request; wait and retry while the queue is full."""
         while True:
-            response = self.queue.post(f"{self.queue_url}/push", json={"groups": groups})
+            response = self.queue.post(
+                f"{self.queue_url}/push",
+                content=wire.encode(groups),
+                headers={"Content-Type": wire.CONTENT_TYPE},
+            )
             if response.status_code != 429:
                 response.raise_for_status()
                 return

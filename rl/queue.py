@@ -9,14 +9,19 @@ same step again gets the same shard. Every route but /health needs the run's bea
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import math
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+
+from rl import wire
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -24,7 +29,7 @@ CREATE TABLE IF NOT EXISTS groups (
     min_version INTEGER NOT NULL,
     max_version INTEGER NOT NULL,
     tokens INTEGER NOT NULL,
-    payload TEXT NOT NULL,
+    payload BLOB NOT NULL,
     state TEXT NOT NULL DEFAULT 'ready',
     step INTEGER
 );
@@ -49,7 +54,7 @@ class Store:
                 g["min_version"],
                 g["max_version"],
                 sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in g["samples"]),
-                json.dumps(g),
+                wire.encode([g]),
             )
             for g in groups
         ]
@@ -121,7 +126,7 @@ class Store:
             rows = self.db.execute(
                 "SELECT payload FROM groups WHERE state='assigned' AND step=? ORDER BY id", (step,)
             ).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        return [wire.decode(r[0], lists=False)[0][0] for r in rows]
 
     def dropped(self, step: int) -> int:
         with self.lock:
@@ -145,26 +150,101 @@ def shard(samples: list[dict[str, Any]], rank: int, world: int) -> list[dict[str
     return [samples[i] for i in range(len(samples)) if owner[i] == rank]
 
 
+def pack(samples: list[dict[str, Any]], max_tokens: int) -> list[list[int]]:
+    """Indices of `samples` packed into micro-batches of at most `max_tokens` tokens
+    (first-fit decreasing; a sample longer than the budget gets a micro-batch of its own)."""
+    bins: list[tuple[int, list[int]]] = []
+    order = sorted(range(len(samples)), key=lambda i: (-_tokens(samples[i]), i))
+    for i in order:
+        size = _tokens(samples[i])
+        for b, (used, members) in enumerate(bins):
+            if used + size <= max_tokens:
+                bins[b] = (used + size, [*members, i])
+                break
+        else:
+            bins.append((size, [i]))
+    return [sorted(members) for _, members in bins]
+
+
+def _tokens(sample: dict[str, Any]) -> int:
+    return len(sample["prompt_ids"]) + len(sample["completion_ids"])
+
+
+BINARY_BODY = {"content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+GROUPS_JSON = {
+    "type": "object",
+    "required": ["groups"],
+    "properties": {
+        "groups": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["samples", "min_version", "max_version"],
+                "properties": {
+                    "min_version": {"type": "integer"},
+                    "max_version": {"type": "integer"},
+                    "samples": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["prompt_ids", "completion_ids", "logprobs", "advantage"],
+                            "properties": {
+                                "prompt_ids": {"type": "array", "items": {"type": "integer"}},
+                                "completion_ids": {"type": "array", "items": {"type": "integer"}},
+                                "logprobs": {"type": "array", "items": {"type": "number"}},
+                                "advantage": {"type": "number"},
+                                "reward": {"type": "number"},
+                            },
+                        },
+                    },
+                },
+            },
+        }
+    },
+}
+PUSH_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": GROUPS_JSON},
+            **BINARY_BODY["content"],
+        },
+    }
+}
+
+
 def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: int,
                capacity: int, max_request_bytes: int) -> FastAPI:  # fmt: skip
-    app = FastAPI(title="Relay rollout queue")
+    """The queue's HTTP routes over `store`; every route but /health needs `token`."""
+    app = FastAPI(title="Relay rollout queue", version="1")
     ready = asyncio.Event()
-    stats = {"accepted": 0, "served": 0, "rejected_full": 0}
+    stats: dict[str, Any] = {"accepted": 0, "served": 0, "rejected_full": 0, "rejected_bad": 0}
+    step_timings: dict[int, dict[str, float]] = {}
+    expected = f"Bearer {token}".encode()
 
     def authorised(request: Request) -> None:
-        if request.headers.get("authorization") != f"Bearer {token}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
             raise HTTPException(401, "missing or wrong bearer token")
 
-    @app.get("/health")
+    @app.get("/health", summary="Liveness; needs no token")
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/push", dependencies=[Depends(authorised)])
+    @app.post(
+        "/push",
+        dependencies=[Depends(authorised)],
+        summary="Store scored groups (JSON or relay-groups binary); 429 when full",
+        openapi_extra=PUSH_BODY,
+        responses={413: {}, 415: {}, 422: {}, 429: {}},
+    )
     async def push(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > max_request_bytes:
-            raise HTTPException(413, f"body over {max_request_bytes} bytes")
-        groups = _parse_groups(body)
+        body = await _read_limited(request, max_request_bytes)
+        try:
+            groups = _parse_groups(body, request.headers.get("content-type", ""))
+        except HTTPException:
+            stats["rejected_bad"] += 1
+            raise
         if store.count("ready") + len(groups) > capacity:
             stats["rejected_full"] += 1
             return Response(status_code=429, headers={"Retry-After": "0.2"})
@@ -173,11 +253,24 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
         ready.set()
         return Response(json.dumps({"ids": ids}), media_type="application/json")
 
-    @app.get("/batch", dependencies=[Depends(authorised)])
-    async def batch(step: int, rank: int = 0, world: int = 1, wait: float = 10.0) -> Response:
-        if not 0 <= rank < world:
-            raise HTTPException(400, f"rank={rank} outside world={world}")
-        deadline = time.monotonic() + min(wait, 60.0)
+    @app.get(
+        "/batch",
+        dependencies=[Depends(authorised)],
+        summary="This rank's shard of step N's batch, packed into micro-batches; 204 if not ready",
+        responses={200: BINARY_BODY, 204: {}, 409: {}},
+    )
+    async def batch(
+        request: Request,
+        step: int,
+        rank: int = 0,
+        world: int = 1,
+        wait: float = 10.0,
+        micro_tokens: int = 8192,
+    ) -> Response:
+        if not 0 <= rank < world or step < 0 or micro_tokens < 1:
+            raise HTTPException(400, "need step >= 0, 0 <= rank < world, micro_tokens >= 1")
+        t0 = time.monotonic()
+        deadline = t0 + min(max(wait, 0.0), 60.0)
         while True:
             last = store.last_step()
             if step > last + 1:
@@ -187,6 +280,8 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
             ready.clear()
             done, _ = await asyncio.to_thread(store.assemble, step, groups_per_step, max_off_policy)
             if done:
+                waited = time.monotonic() - t0
+                step_timings[step] = {"waited_s": waited, "assembled_at": time.time()}
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -196,69 +291,128 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
             except TimeoutError:
                 return Response(status_code=204)
         groups = await asyncio.to_thread(store.batch, step)
-        samples = [s for g in groups for s in g["samples"]]
+        samples = shard([s for g in groups for s in g["samples"]], rank, world)
         stats["served"] += 1
-        body = {
+        meta = {
             "step": step,
             "groups": len(groups),
             "dropped": store.dropped(step),
-            "samples": shard(samples, rank, world),
+            "depth": store.count("ready"),
+            "micro_batches": pack(samples, micro_tokens),
         }
-        return Response(json.dumps(body), media_type="application/json")
+        if wire.CONTENT_TYPE in request.headers.get("accept", ""):
+            body = wire.encode([{"samples": samples}], meta)
+            return Response(body, media_type=wire.CONTENT_TYPE)
+        body = json.dumps({**meta, "samples": wire.to_lists(samples)})
+        return Response(body, media_type="application/json")
 
-    @app.get("/stats", dependencies=[Depends(authorised)])
+    @app.get("/stats", dependencies=[Depends(authorised)], summary="Depth, counts, step timings")
     def get_stats() -> dict[str, Any]:
+        recent = sorted(step_timings)[-20:]
         return {
             "depth": store.count("ready"),
             "assigned": store.count("assigned"),
             "dropped": store.count("dropped"),
             "last_step": store.last_step(),
+            "capacity": capacity,
+            "steps": {str(k): step_timings[k] for k in recent},
             **stats,
         }
 
     return app
 
 
-SAMPLE_KEYS = {"prompt_ids": list, "completion_ids": list, "logprobs": list, "advantage": float}
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) anything over `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413, f"body over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _parse_groups(body: bytes) -> list[dict[str, Any]]:
-    """Validate pushed groups; any problem is a 422 that names it, and nothing is stored."""
-    try:
-        data = json.loads(body)
-    except ValueError as err:
-        raise HTTPException(422, f"body is not JSON: {err}") from err
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def _parse_groups(body: bytes, content_type: str) -> list[dict[str, Any]]:
+    """Validate pushed groups; any problem is a 4xx that names it, and nothing is stored."""
+    binary = content_type.startswith(wire.CONTENT_TYPE)
+    if binary:
+        try:
+            data: Any = {"groups": wire.decode(body, lists=False)[0]}
+        except wire.WireError as err:
+            raise HTTPException(422, str(err)) from err
+    elif content_type.startswith("application/json"):
+        try:
+            data = json.loads(body)
+        except ValueError as err:
+            raise HTTPException(422, f"body is not JSON: {err}") from err
+    else:
+        raise HTTPException(415, f"content type must be application/json or {wire.CONTENT_TYPE}")
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
         raise HTTPException(422, "body must be an object with a non-empty 'groups' list")
     for i, group in enumerate(data["groups"]):
-        _check_group(i, group)
+        _check_group(f"groups[{i}]", group, check_arrays=not binary)
     return data["groups"]
 
 
-def _check_group(index: int, group: Any) -> None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _check_group(where: str, group: Any, check_arrays: bool) -> None:
+    """Raise 422 naming the first field of `group` that is missing or of the wrong type."""
     if not isinstance(group, dict) or not isinstance(group.get("samples"), list):
-        raise HTTPException(422, f"groups[{index}] must be an object with a 'samples' list")
-    for key in ("min_version", "max_version"):
-        if not isinstance(group.get(key), int):
-            raise HTTPException(422, f"groups[{index}].{key} must be an integer")
+        raise HTTPException(422, f"{where} must be an object with a 'samples' list")
     if not group["samples"]:
-        raise HTTPException(422, f"groups[{index}].samples is empty")
+        raise HTTPException(422, f"{where}.samples is empty")
+    for key in ("min_version", "max_version"):
+        if not _is_int(group.get(key)):
+            raise HTTPException(422, f"{where}.{key} must be an integer")
     for i, sample in enumerate(group["samples"]):
-        where = f"groups[{index}].samples[{i}]"
-        for key, kind in SAMPLE_KEYS.items():
-            value = sample.get(key) if isinstance(sample, dict) else None
-            if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
-                raise HTTPException(422, f"{where}.{key} must be a {kind.__name__}")
-        if len(sample["logprobs"]) != len(sample["completion_ids"]):
-            raise HTTPException(422, f"{where}: logprobs and completion_ids differ in length")
+        at = f"{where}.samples[{i}]"
+        if not isinstance(sample, dict):
+            raise HTTPException(422, f"{at} must be an object")
+        for key in ("min_version", "max_version"):
+            if not _is_int(sample.get(key)):
+                raise HTTPException(422, f"{at}.{key} must be an integer")
+        for key in ("reward", "advantage"):
+            if not _is_number(sample.get(key)):
+                raise HTTPException(422, f"{at}.{key} must be a finite number")
+        arrays = [sample.get(k) for k in wire.ARRAY_KEYS]
+        if not all(isinstance(a, list | np.ndarray) for a in arrays):
+            raise HTTPException(422, f"{at}: prompt_ids, completion_ids, logprobs must be lists")
+        prompt, completion, logprobs = arrays
+        if len(logprobs) != len(completion) or len(completion) == 0:
+            raise HTTPException(422, f"{at}: completion_ids empty or unlike logprobs in length")
+        if check_arrays:
+            ids = prompt + completion
+            if not all(_is_int(t) and INT32[0] <= t <= INT32[1] for t in ids):
+                raise HTTPException(422, f"{at}: token ids must be 32-bit integers")
+            if not all(_is_number(x) for x in logprobs):
+                raise HTTPException(422, f"{at}: logprobs must be finite numbers")
 
 
 def main() -> None:
-    import socket
-
     import uvicorn
 
-    from rl.runtime import load_run_config, role_args, run_token, setup_logging, write_address
+    from rl.runtime import (
+        listen_socket,
+        load_run_config,
+        role_args,
+        run_token,
+        setup_logging,
+        write_address,
+    )
 
     args = role_args("queue")
     log = setup_logging("queue")
@@ -272,9 +426,7 @@ def main() -> None:
         capacity=cfg.queue.capacity,
         max_request_bytes=cfg.queue.max_request_mb * 2**20,
     )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", cfg.queue.port))
+    sock = listen_socket("127.0.0.1", cfg.queue.port)
     host, port = sock.getsockname()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 

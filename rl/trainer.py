@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rl import wire
 from rl.algorithms import LOSSES
 from rl.envs import Example, make_environment
 from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
@@ -122,25 +123,36 @@ class Trainer:
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
     def fetch(self, http: httpx.Client, queue_url: str, step: int) -> dict[str, Any]:
-        params = {"step": step, "rank": self.rank, "world": self.world, "wait": 10}
+        """This rank's shard of step `step` (long-polls until the queue has assembled it)."""
+        params = {
+            "step": step,
+            "rank": self.rank,
+            "world": self.world,
+            "wait": 10,
+            "micro_tokens": self.cfg.trainer.micro_batch_tokens,
+        }
         while True:
-            response = http.get(f"{queue_url}/batch", params=params)
+            response = http.get(
+                f"{queue_url}/batch", params=params, headers={"Accept": wire.CONTENT_TYPE}
+            )
             if response.status_code == 200:
-                return response.json()
+                groups, meta = wire.decode(response.content)
+                return {**meta, "samples": groups[0]["samples"]}
             if response.status_code != 204:
                 response.raise_for_status()
 
-    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimiser step over this rank's samples, in micro-batches."""
+    def train_step(
+        self, samples: list[dict[str, Any]], micro_batches: list[list[int]]
+    ) -> dict[str, float]:
+        """One optimiser step over this rank's samples, in the queue's packed micro-batches."""
         algo = self.cfg.algorithm
         total_tokens = torch.tensor(float(sum(len(s["completion_ids"]) for s in samples)))
         if self.world > 1:
             dist.all_reduce(total_tokens)
         self.optimizer.zero_grad()
         sums = {"loss": 0.0, "entropy": 0.0, "masked_fraction": 0.0, "mismatch_kl": 0.0}
-        mb = self.cfg.trainer.micro_batch_size
-        for start in range(0, len(samples), mb):
-            part = samples[start : start + mb]
+        for indices in micro_batches:
+            part = [samples[i] for i in indices]
             ids, attention, completion = pad_batch(
                 [s["prompt_ids"] + s["completion_ids"] for s in part],
                 [len(s["prompt_ids"]) for s in part],
@@ -205,7 +217,7 @@ class Trainer:
             batch = self.fetch(http, queue_url, step)
             t_fetch = time.monotonic() - t0
             samples = batch["samples"]
-            stats = self.train_step(samples)
+            stats = self.train_step(samples, batch["micro_batches"])
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
@@ -237,6 +249,8 @@ class Trainer:
             "off_policy/staleness_max": max(staleness),
             "off_policy/staleness_mean": sum(staleness) / len(staleness),
             "off_policy/dropped": batch["dropped"],
+            "queue/depth": batch["depth"],
+            "micro_batches": len(batch["micro_batches"]),
             "versions": sorted({s["min_version"] for s in samples}),
             "samples": len(samples) * self.world,
             "time/step": elapsed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,8 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from rl.queue import shard
+from rl import wire
+from rl.queue import pack, shard
 from rl.runtime import auth_headers, wait_for_address
 from tests.conftest import compose_run, start_role, stop_role, write_run_dir
 
@@ -49,6 +53,7 @@ def queue(tmp_path: Path) -> Iterator[SimpleNamespace]:
         f"environment.prompts_per_step={GROUPS_PER_STEP}",
         "algorithm.max_off_policy_steps=2",
         "queue.capacity=8",
+        "queue.max_request_mb=1",
     )
     run_dir = write_run_dir(tmp_path / "run", cfg, TOKEN)
     q = start(run_dir)
@@ -103,8 +108,11 @@ def test_refuses_unauthenticated_malformed_and_over_capacity(queue: Any) -> None
     bad = group(0)
     bad["samples"][0]["logprobs"] = [0.0]
     response = push(queue, bad)
-    assert response.status_code == 422 and "logprobs and completion_ids" in response.text
-    assert queue.client.post("/push", content=b"{not json").status_code == 422
+    assert response.status_code == 422 and "unlike logprobs in length" in response.text
+    not_json = queue.client.post(
+        "/push", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert not_json.status_code == 422
     assert push(queue, *(group(0) for _ in range(8))).status_code == 200
     full = push(queue, group(0))
     assert full.status_code == 429 and "retry-after" in full.headers
@@ -129,3 +137,116 @@ def test_shards_balance_tokens() -> None:
     shards = [shard(samples, r, 2) for r in range(2)]
     loads = [sum(len(s["completion_ids"]) + 1 for s in part) for part in shards]
     assert sorted(loads) == [12, 14] and sum(len(p) for p in shards) == 6
+
+
+def test_binary_push_and_pull_round_trip(queue: Any) -> None:
+    groups = [group(0, (4, 9)), group(0, (2,)), group(0, (6, 6, 1))]
+    response = queue.client.post(
+        "/push", content=wire.encode(groups), headers={"Content-Type": wire.CONTENT_TYPE}
+    )
+    assert response.status_code == 200, response.text
+    reply = queue.client.get(
+        "/batch",
+        params={"step": 0, "wait": 1, "micro_tokens": 12},
+        headers={"Accept": wire.CONTENT_TYPE},
+    )
+    assert reply.headers["content-type"] == wire.CONTENT_TYPE
+    [shard_group], meta = wire.decode(reply.content)
+    samples = shard_group["samples"]
+    assert sorted(len(s["completion_ids"]) for s in samples) == [1, 2, 4, 6, 6, 9]
+    assert all(s["logprobs"] == [-0.5] * len(s["completion_ids"]) for s in samples)
+    # Packed under 12 tokens per micro-batch (2 prompt tokens per sample), every sample once.
+    packed = sorted(i for mb in meta["micro_batches"] for i in mb)
+    assert packed == list(range(6))
+    for mb in meta["micro_batches"]:
+        tokens = sum(2 + len(samples[i]["completion_ids"]) for i in mb)
+        assert tokens <= 12 or len(mb) == 1
+
+
+def test_oversized_and_wrong_type_bodies_are_refused(queue: Any) -> None:
+    huge = group(0, (300_000,))
+    too_big = queue.client.post(
+        "/push", content=wire.encode([huge]), headers={"Content-Type": wire.CONTENT_TYPE}
+    )
+    assert too_big.status_code == 413
+    text = queue.client.post("/push", content=b"hello", headers={"Content-Type": "text/plain"})
+    assert text.status_code == 415
+    corrupt = wire.encode([group(0)])[:-3]
+    short = queue.client.post("/push", content=corrupt, headers={"Content-Type": wire.CONTENT_TYPE})
+    assert short.status_code == 422
+    assert queue.client.get("/stats").json()["depth"] == 0
+
+
+def test_openapi_describes_every_route(queue: Any) -> None:
+    spec = queue.client.get("/openapi.json").json()
+    assert {"/health", "/push", "/batch", "/stats"} <= set(spec["paths"])
+    body = spec["paths"]["/push"]["post"]["requestBody"]["content"]
+    assert {"application/json", wire.CONTENT_TYPE} <= set(body)
+
+
+def test_pack_respects_budget() -> None:
+    samples = [{"prompt_ids": [0], "completion_ids": [0] * n} for n in (9, 1, 1, 1, 5, 3)]
+    bins = pack(samples, 10)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(1 + len(samples[i]["completion_ids"]) for i in b) <= 10 for b in bins)
+    assert len(bins) == 3  # 26 tokens in bins of 10: FFD reaches the bound
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=10,
+)
+
+
+@st.composite
+def mutated_bodies(draw: st.DrawFn) -> tuple[bytes, str]:
+    """A valid push, then one random mutation: a field deleted, retyped, or the bytes cut."""
+    body = {"groups": [group(draw(st.integers(0, 3)), (2, 3))]}
+    target = draw(st.sampled_from(["body", "group", "sample"]))
+    node = {"body": body, "group": body["groups"][0], "sample": body["groups"][0]["samples"][0]}
+    node = node[target]
+    key = draw(st.sampled_from(sorted(node)))
+    if draw(st.booleans()):
+        del node[key]
+    else:
+        node[key] = draw(json_values)
+    kind = draw(st.sampled_from(["json", "binary", "text"]))
+    if kind == "json":
+        raw = json.dumps(body).encode()
+        return raw[: draw(st.integers(0, len(raw)))], "application/json"
+    if kind == "binary":
+        try:
+            raw = wire.encode(body["groups"])
+        except Exception:  # the mutation made it unencodable: send noise instead
+            raw = draw(st.binary(max_size=64))
+        return raw[: draw(st.integers(0, len(raw)))], wire.CONTENT_TYPE
+    return draw(st.binary(max_size=64)), "text/plain"
+
+
+@pytest.fixture(scope="module")
+def shared_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    cfg = compose_run("queue.capacity=100000")
+    run_dir = write_run_dir(tmp_path_factory.mktemp("fuzz"), cfg, TOKEN)
+    q = start(run_dir)
+    yield q
+    stop_role(q.proc)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=mutated_bodies(), authorised=st.booleans())
+def test_fuzzed_pushes_are_refused_cleanly(
+    shared_queue: Any, body: tuple[bytes, str], authorised: bool
+) -> None:
+    raw, content_type = body
+    before = shared_queue.client.get("/stats").json()["depth"]
+    headers = {"Content-Type": content_type}
+    if not authorised:
+        headers["Authorization"] = "Bearer wrong"
+    response = shared_queue.client.post("/push", content=raw, headers=headers)
+    after = shared_queue.client.get("/stats").json()["depth"]
+    assert response.status_code < 500, response.text
+    if response.status_code == 200:
+        assert authorised and after == before + 1
+    else:
+        assert response.status_code in (401, 413, 415, 422) and after == before
