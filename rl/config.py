@@ -29,6 +29,16 @@ class TokenizerKind(StrEnum):
 
 class Loss(StrEnum):
     default = "default"
+    aipo = "aipo"
+    grpo = "grpo"
+    gspo = "gspo"
+    cispo = "cispo"
+
+
+class Normalization(StrEnum):
+    token = "token"
+    sequence = "sequence"
+    constant = "constant"
 
 
 class Advantage(StrEnum):
@@ -190,7 +200,10 @@ class AlgorithmConfig:
     name: str = MISSING
     """Option name."""
     loss: Loss = Loss.default
-    """Loss in the registry: `default` (DPPO-style mask + squared log-ratio)."""
+    """Loss in the registry (rl/algorithms.py): default, aipo, grpo, gspo, cispo."""
+    normalization: Normalization = Normalization.token
+    """How token losses become one number: per token over the batch, per sequence, or
+    Dr.GRPO's constant (sequences x environment.max_tokens)."""
     advantage: Advantage = Advantage.group_mean
     """Advantage estimator: `group_mean` (Dr.GRPO-style, no std), `zscore`, `rloo`."""
     lr: float | None = None
@@ -209,6 +222,24 @@ class AlgorithmConfig:
     prob by more than this."""
     log_ratio_coef: float = 0.001
     """Default loss: weight of the squared log-ratio term against the inference policy."""
+    aipo_delta: float = 4.0
+    """AIPO: the importance ratio is truncated at this value."""
+    clip_low: float = 0.2
+    """GRPO/PPO: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.28
+    """GRPO/PPO: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher)."""
+    kl_coef: float = 0.0
+    """GRPO/PPO: weight of the k3 KL to the reference model (the post-warm-up weights)."""
+    seq_clip_low: float = 3e-4
+    """GSPO: the sequence ratio is clipped below at 1 - seq_clip_low."""
+    seq_clip_high: float = 4e-4
+    """GSPO: the sequence ratio is clipped above at 1 + seq_clip_high."""
+    is_max: float = 4.0
+    """CISPO: the stop-gradient importance weight is clipped above at this value."""
+    length_penalty: float = 0.0
+    """Subtracted from a reward per completion token, as a fraction of environment.max_tokens."""
+    filter_zero_advantage: bool = True
+    """Drop groups whose advantages are all zero (they carry no signal) and sample new prompts."""
     async_level: int = 1
     """Generate for step N once inference holds version >= N - async_level (0: on-policy)."""
     max_off_policy_steps: int = 8

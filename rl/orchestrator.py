@@ -31,6 +31,7 @@ from rl.runtime import (
     wait_for_address,
 )
 
+MAX_FILL_ROUNDS = 4  # sampling rounds to replace zero-advantage groups before keeping them
 CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them into one batch
 
 
@@ -92,10 +93,19 @@ def score_group(
     advantage: Callable[[list[float]], list[float]],
     example: Example,
     choices: list[dict[str, Any]],
+    length_penalty: float = 0.0,
+    max_tokens: int = 1,
 ) -> dict[str, Any]:
-    """The completions of one prompt as a queue group: rewards, advantages, versions."""
+    """The completions of one prompt as a queue group: rewards, advantages, versions.
+
+    With a length penalty, each reward loses `length_penalty x tokens / max_tokens` before
+    advantages are taken (the logged reward stays the environment's)."""
     rewards = [env.reward(example, c["text"]) for c in choices]
-    advantages = advantage(rewards)
+    shaped = [
+        r - length_penalty * len(c["token_ids"]) / max_tokens
+        for r, c in zip(rewards, choices, strict=True)
+    ]
+    advantages = advantage(shaped)
     versions = [c["policy_version"] for c in choices]
     samples = [
         {
@@ -110,6 +120,11 @@ def score_group(
         for c, r, a, v in zip(choices, rewards, advantages, versions, strict=True)
     ]
     return {"samples": samples, "min_version": min(versions), "max_version": max(versions)}
+
+
+def no_signal(group: dict[str, Any]) -> bool:
+    """Whether every advantage of the group is zero (all completions scored the same)."""
+    return all(abs(s["advantage"]) < 1e-9 for s in group["samples"])
 
 
 def newest_version(weights_dir: Path) -> int:
@@ -189,27 +204,43 @@ class Orchestrator:
         self.last_eval = self.version
 
     def generate(self, step: int) -> None:
+        """Generate, score and push batch `step`: prompts_per_step groups with signal."""
         env_cfg, algo = self.cfg.environment, self.cfg.algorithm
-        examples = self.rng.sample(self.env.train_examples(), env_cfg.prompts_per_step)
+        want, n = env_cfg.prompts_per_step, env_cfg.group_size
+        kept: list[tuple[Example, list[dict[str, Any]], dict[str, Any]]] = []
+        filtered, versions = 0, set()
         t0 = time.monotonic()
-        choices = self.inference.complete_all(
-            [e.prompt for e in examples], env_cfg.group_size, env_cfg.max_tokens, algo.temperature
-        )
+        for round_ in range(1, MAX_FILL_ROUNDS + 1):
+            examples = self.rng.sample(self.env.train_examples(), want - len(kept))
+            choices = self.inference.complete_all(
+                [e.prompt for e in examples], n, env_cfg.max_tokens, algo.temperature
+            )
+            versions |= {c["policy_version"] for c in choices}
+            for i, example in enumerate(examples):
+                mine = choices[i * n : (i + 1) * n]
+                group = score_group(
+                    self.env, self.advantage, example, mine, algo.length_penalty, env_cfg.max_tokens
+                )
+                # The last round keeps whatever it gets, so a batch always fills.
+                if algo.filter_zero_advantage and round_ < MAX_FILL_ROUNDS and no_signal(group):
+                    filtered += 1
+                    continue
+                kept.append((example, mine, group))
+            if len(kept) == want:
+                break
         gen_s = time.monotonic() - t0
-        n = env_cfg.group_size
-        groups = [
-            score_group(self.env, self.advantage, e, choices[i * n : (i + 1) * n])
-            for i, e in enumerate(examples)
-        ]
+        groups = [g for _, _, g in kept]
+        groups[0]["samples"][0]["filtered_groups"] = filtered
         self.push(groups)
-        self.save_rollouts(step, examples[0], choices[:n], groups[0])
-        versions = {c["policy_version"] for c in choices}
+        self.save_rollouts(step, *kept[0])
         self.log.info(
-            "batch %d generated with version %s in %.2f s (%d samples, started %.3f, ended %.3f)",
+            "batch %d generated with version %s in %.2f s (%d groups, %d filtered, "
+            "started %.3f, ended %.3f)",
             step,
             sorted(versions),
             gen_s,
-            len(choices),
+            len(groups),
+            filtered,
             t0,
             t0 + gen_s,
         )

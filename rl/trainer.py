@@ -6,6 +6,7 @@ even for one process, so the same code path serves a larger world.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl import wire
-from rl.algorithms import LOSSES
+from rl.algorithms import LOSSES, loss_stats, reduce
 from rl.envs import Example, make_environment
 from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
 from rl.runtime import (
@@ -79,6 +80,7 @@ class Trainer:
             weight_decay=cfg.algorithm.weight_decay,
         )
         self.loss_fn = LOSSES[str(cfg.algorithm.loss)]
+        self.reference: Any = None
         self.weights_dir = run_dir / "weights"
         self.weights_dir.mkdir(exist_ok=True)
 
@@ -141,48 +143,80 @@ class Trainer:
             if response.status_code != 204:
                 response.raise_for_status()
 
+    def batch_totals(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """Whole-batch denominators (over every rank) for the loss normalisation."""
+        counts = torch.tensor(
+            [float(sum(len(s["completion_ids"]) for s in samples)), float(len(samples))]
+        )
+        if self.world > 1:
+            dist.all_reduce(counts)
+        tokens, sequences = counts.tolist()
+        return {
+            "tokens": max(tokens, 1.0),
+            "sequences": max(sequences, 1.0),
+            "max_tokens": float(self.cfg.environment.max_tokens),
+        }
+
+    def micro_batch(self, part: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids, attention, completion = pad_batch(
+            [s["prompt_ids"] + s["completion_ids"] for s in part],
+            [len(s["prompt_ids"]) for s in part],
+            self.tokenizer.pad_token_id,
+        )
+        inference_logp = torch.zeros(ids.shape)
+        for row, s in enumerate(part):
+            start = len(s["prompt_ids"])
+            inference_logp[row, start : start + len(s["logprobs"])] = torch.as_tensor(s["logprobs"])
+        return {
+            "ids": ids,
+            "attention": attention,
+            "mask": completion,
+            "inference_logprobs": inference_logp,
+            "advantages": torch.tensor([float(s["advantage"]) for s in part]),
+        }
+
     def train_step(
         self, samples: list[dict[str, Any]], micro_batches: list[list[int]]
     ) -> dict[str, float]:
         """One optimiser step over this rank's samples, in the queue's packed micro-batches."""
         algo = self.cfg.algorithm
-        total_tokens = torch.tensor(float(sum(len(s["completion_ids"]) for s in samples)))
-        if self.world > 1:
-            dist.all_reduce(total_tokens)
+        totals = self.batch_totals(samples)
         self.optimizer.zero_grad()
-        sums = {"loss": 0.0, "entropy": 0.0, "masked_fraction": 0.0, "mismatch_kl": 0.0}
+        sums: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
+        ratio_max, ratio_min = 0.0, float("inf")
         for indices in micro_batches:
-            part = [samples[i] for i in indices]
-            ids, attention, completion = pad_batch(
-                [s["prompt_ids"] + s["completion_ids"] for s in part],
-                [len(s["prompt_ids"]) for s in part],
-                self.tokenizer.pad_token_id,
-            )
-            inference_logp = torch.zeros(ids.shape)
-            for row, s in enumerate(part):
-                p = len(s["prompt_ids"])
-                inference_logp[row, p : p + len(s["logprobs"])] = torch.tensor(s["logprobs"])
-            advantages = torch.tensor([s["advantage"] for s in part])
-            logp, entropy = token_logprobs(self.model, ids, attention)
-            loss, stats = self.loss_fn(
+            mb = self.micro_batch([samples[i] for i in indices])
+            logp, entropy = token_logprobs(self.model, mb["ids"], mb["attention"])
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(self.reference, mb["ids"], mb["attention"])
+            out = self.loss_fn(
                 logp,
-                inference_logp,
-                advantages,
-                completion,
-                prob_diff_pos=algo.prob_diff_pos,
-                prob_diff_neg=algo.prob_diff_neg,
-                log_ratio_coef=algo.log_ratio_coef,
+                mb["inference_logprobs"],
+                mb["advantages"],
+                algo,
+                mask=mb["mask"],
+                ref_logprobs=ref,
             )
-            weight = completion.sum() / total_tokens  # token-normalised over the whole batch
-            (loss * weight).backward()
-            sums["loss"] += loss.item() * weight.item()
-            sums["entropy"] += float((entropy * completion).sum() / total_tokens)
-            for key in ("masked_fraction", "mismatch_kl"):
-                sums[key] += stats[key] * weight.item()
+            loss = reduce(out.per_token, mb["mask"], str(algo.normalization), totals)
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["entropy"] += float((entropy * mb["mask"]).sum()) / totals["tokens"]
+            stats = loss_stats(out, logp, mb["inference_logprobs"], mb["mask"])
+            for key in ("masked_fraction", "clipped_fraction", "mismatch_kl", "ratio_mean"):
+                sums[key] = sums.get(key, 0.0) + float(stats[key]) / totals["tokens"]
+            ratio_max = max(ratio_max, float(stats["ratio_max"]))
+            ratio_min = min(ratio_min, float(stats["ratio_min"]))
         self.all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
         self.optimizer.step()
-        return {**sums, "grad_norm": float(grad_norm)}
+        return {
+            **sums,
+            "ratio_max": ratio_max,
+            "ratio_min": ratio_min,
+            "grad_norm": float(grad_norm),
+        }
 
     def publish(self, version: int) -> None:
         if self.rank != 0:
@@ -209,6 +243,9 @@ class Trainer:
     def run(self) -> None:
         cfg = self.cfg
         self.warmup()
+        if cfg.algorithm.kl_coef > 0:
+            # The KL reference is the policy RL starts from: the weights after warm-up.
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.publish(0)
         http = httpx.Client(headers=auth_headers(run_token(self.run_dir)), timeout=120.0)
         queue_url = wait_for_address(self.run_dir, "queue")
@@ -245,6 +282,11 @@ class Trainer:
             "entropy": stats["entropy"],
             "mismatch_kl": stats["mismatch_kl"],
             "masked_fraction": stats["masked_fraction"],
+            "clipped_fraction": stats["clipped_fraction"],
+            "ratio/mean": stats["ratio_mean"],
+            "ratio/max": stats["ratio_max"],
+            "ratio/min": stats["ratio_min"],
+            "filter/zero_advantage_groups": sum(s.get("filtered_groups", 0) for s in samples),
             "grad_norm": stats["grad_norm"],
             "off_policy/staleness_max": max(staleness),
             "off_policy/staleness_mean": sum(staleness) / len(staleness),

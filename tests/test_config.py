@@ -95,7 +95,7 @@ def test_cfg_job_prints_composed_config() -> None:
         (["model=nope"], "model=nope: no such option; valid: glm5, minimax_m2, qwen3_0_6b"),
         (["model.nope=1"], "model.nope: Key 'nope' not in 'ModelConfig'"),
         (["algorithm.lr=abc"], "algorithm.lr: Value 'abc'"),
-        (["algorithm.loss=xx"], "expected one of [default]"),
+        (["algorithm.loss=xx"], "expected one of [default, aipo, grpo, gspo, cispo]"),
         (
             ["model=qwen3_0_6b", "parallel=ep8", "dry_run=true"],
             "parallel.trainer.ep=8: expert parallelism needs an MoE model",
@@ -127,3 +127,25 @@ def test_dry_run_glm5_slurm_prints_plan() -> None:
     ):
         assert needle in text, needle
     assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").glob("*glm5*"))
+
+
+def test_loss_registry_matches_schema() -> None:
+    from rl.algorithms import LOSSES
+    from rl.config import Loss
+
+    assert set(LOSSES) == {loss.value for loss in Loss}
+    assert set(options("algorithm")) == set(LOSSES)
+
+
+def test_every_sweep_plans(tmp_path) -> None:
+    sweeps = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
+    assert "loss_comparison" in sweeps
+    for name in sweeps:
+        out = rl("--config-dir", "sweeps", "--config-name", name, "-m", "dry_run=true",
+                 f"hydra.sweep.dir={tmp_path / name}")  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("\nrun ") + out.stdout.startswith("run ") >= 2
+    out = rl("--config-dir", "sweeps", "--config-name", "loss_comparison", "-m", "dry_run=true",
+             f"hydra.sweep.dir={tmp_path / 'x'}")  # fmt: skip
+    for loss in ("default", "aipo", "grpo", "gspo", "cispo"):
+        assert f"algorithm={loss}" in out.stdout + out.stderr

@@ -9,7 +9,7 @@ import torch
 
 from rl.advantages import group_mean
 from rl.envs import Example, make_environment
-from rl.orchestrator import newest_version, score_group
+from rl.orchestrator import newest_version, no_signal, score_group
 from rl.trainer import pad_batch, token_logprobs
 from tests.conftest import compose_run
 
@@ -72,3 +72,16 @@ def test_token_logprobs_score_each_token_given_its_prefix() -> None:
     expected = [0.0, table[1, 2].item(), table[2, 3].item(), table[3, 4].item()]
     assert logp[0].tolist() == pytest.approx(expected, abs=1e-6)
     assert entropy[0, 1].item() == pytest.approx(-(table[1].exp() * table[1]).sum().item())
+
+
+def test_length_penalty_shapes_advantages_not_rewards() -> None:
+    env = make_environment(compose_run().environment)
+    example = Example("reverse: abc\n", "cba")
+    choices = [choice("cba", [7, 8, 9, 2], 0), choice("cba", [7, 8, 9, 9, 9, 9, 9, 2], 0)]
+    group = score_group(env, group_mean, example, choices, length_penalty=0.5, max_tokens=8)
+    # Both exact (reward 1.0); shaped 1 - 0.5*4/8 = 0.75 and 1 - 0.5*8/8 = 0.5, mean 0.625.
+    assert [s["reward"] for s in group["samples"]] == [1.0, 1.0]
+    assert [s["advantage"] for s in group["samples"]] == pytest.approx([0.125, -0.125])
+    assert not no_signal(group)
+    flat = score_group(env, group_mean, example, choices)
+    assert no_signal(flat)
