@@ -216,7 +216,10 @@ PUSH_BODY = {
 def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: int,
                capacity: int, max_request_bytes: int) -> FastAPI:  # fmt: skip
     """The queue's HTTP routes over `store`; every route but /health needs `token`."""
-    app = FastAPI(title="Relay rollout queue", version="1")
+    # The OpenAPI description is served behind the token like every route but /health.
+    app = FastAPI(
+        title="Relay rollout queue", version="1", openapi_url=None, docs_url=None, redoc_url=None
+    )
     ready = asyncio.Event()
     stats: dict[str, Any] = {"accepted": 0, "served": 0, "rejected_full": 0, "rejected_bad": 0}
     step_timings: dict[int, dict[str, float]] = {}
@@ -305,6 +308,10 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
             return Response(body, media_type=wire.CONTENT_TYPE)
         body = json.dumps({**meta, "samples": wire.to_lists(samples)})
         return Response(body, media_type="application/json")
+
+    @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/stats", dependencies=[Depends(authorised)], summary="Depth, counts, step timings")
     def get_stats() -> dict[str, Any]:

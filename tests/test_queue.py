@@ -178,6 +178,8 @@ def test_oversized_and_wrong_type_bodies_are_refused(queue: Any) -> None:
 
 
 def test_openapi_describes_every_route(queue: Any) -> None:
+    assert httpx.get(f"{queue.url}/openapi.json").status_code == 401
+    assert httpx.get(f"{queue.url}/docs").status_code == 404
     spec = queue.client.get("/openapi.json").json()
     assert {"/health", "/push", "/batch", "/stats"} <= set(spec["paths"])
     body = spec["paths"]["/push"]["post"]["requestBody"]["content"]
