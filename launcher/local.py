@@ -117,7 +117,13 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 def check_children(children: list[Child], done: set[str]) -> None:
-    """Raise RunFailed when a role exits with an error, or a server exits at all."""
+    """Raise RunFailed when a role exits with an error, or a server exits at all.
+
+    Every role found dead is named: a killed server takes its clients down with it, and the
+    launcher may see both at once. Roles ended by a signal are listed first (the likely cause),
+    with the last lines of the first one's log.
+    """
+    failed = []
     for child in children:
         code = child.proc.poll()
         if code is None or child.name in done:
@@ -125,10 +131,13 @@ def check_children(children: list[Child], done: set[str]) -> None:
         if code == 0 and child.role in FINISHING_ROLES:
             done.add(child.name)
             continue
-        raise RunFailed(
-            f"role {child.name} exited with code {code}; last lines of {child.log_path}:\n"
-            f"{tail(child.log_path)}"
-        )
+        failed.append((child, code))
+    if not failed:
+        return
+    failed.sort(key=lambda item: item[1] >= 0)  # signal deaths (negative codes) first
+    first = failed[0][0]
+    names = "; ".join(f"role {c.name} exited with code {code}" for c, code in failed)
+    raise RunFailed(f"{names}; last lines of {first.log_path}:\n{tail(first.log_path)}")
 
 
 class Progress:
