@@ -25,6 +25,8 @@ TRAIN_MEMORY_FRACTION = 0.8
 INFERENCE_WEIGHT_FRACTION = 0.8
 # Fewest tokens per context-parallel rank for which splitting a sequence pays off.
 MIN_TOKENS_PER_CP_RANK = 64
+# KV cache a vLLM CPU server reserves (the tiny models served on CPU need far less).
+CPU_KV_CACHE_BYTES = 512 * 2**20
 ENVIRONMENTS = ("reverse_text",)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -256,7 +258,8 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
     if cluster.gpus_per_node:
         args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
     else:
-        args.append("--enforce-eager")
+        # vLLM's CPU build otherwise reserves most of a NUMA node for KV cache at start-up.
+        args += ["--enforce-eager", "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
     if serve.quantization:
         args += ["--quantization", serve.quantization]
     if serve.kv_cache_dtype != "auto":

@@ -313,6 +313,9 @@ class InferenceConfig:
     GPUs, embedded on CPU."""
     max_batch_size: int = 512
     """Most sequences the embedded engine decodes together."""
+    vllm_python: str | None = None
+    """Python interpreter with vLLM installed (vLLM pins its own torch, so it often lives in
+    a separate environment); None uses the interpreter running Relay."""
     port: int = 0
     """Port to listen on; 0 picks a free one and records it in the run directory."""
 

@@ -476,10 +476,12 @@ def main() -> None:
         Backend.vllm if cfg.cluster.gpus_per_node else Backend.embedded
     )
     if backend == Backend.vllm:
-        print(
-            "inference.backend=vllm is not available in this build; use embedded", file=sys.stderr
-        )
-        sys.exit(2)
+        from rl.vllm_backend import serve as serve_vllm
+
+        if not args.rest:
+            sys.exit("inference.backend=vllm: no vLLM arguments after '--' (start it from a plan)")
+        serve_vllm(cfg, args.run_dir, name, args.rest, logger)
+        return
     serve(cfg, args.run_dir, name, logger)
 
 

@@ -76,7 +76,11 @@ class InferenceClient:
         choices = []
         for response in responses:
             for choice in response["choices"]:
+                # A request in flight during a weight swap spans two versions (vLLM backend).
                 choice["policy_version"] = response["policy_version"]
+                choice["policy_version_max"] = response.get(
+                    "policy_version_max", response["policy_version"]
+                )
                 choices.append(choice)
         return choices
 
@@ -107,6 +111,7 @@ def score_group(
     ]
     advantages = advantage(shaped)
     versions = [c["policy_version"] for c in choices]
+    newest = [c["policy_version_max"] for c in choices]
     samples = [
         {
             "prompt_ids": c["prompt_token_ids"],
@@ -115,11 +120,11 @@ def score_group(
             "reward": r,
             "advantage": a,
             "min_version": v,
-            "max_version": v,
+            "max_version": w,
         }
-        for c, r, a, v in zip(choices, rewards, advantages, versions, strict=True)
+        for c, r, a, v, w in zip(choices, rewards, advantages, versions, newest, strict=True)
     ]
-    return {"samples": samples, "min_version": min(versions), "max_version": max(versions)}
+    return {"samples": samples, "min_version": min(versions), "max_version": max(newest)}
 
 
 def no_signal(group: dict[str, Any]) -> bool:

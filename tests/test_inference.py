@@ -239,7 +239,7 @@ def test_swaps_under_load_report_the_version_used(
 
 
 @pytest.mark.slow
-def test_vllm_backend_exits_with_status_2(cfg: DictConfig, tmp_path: Path) -> None:
+def test_vllm_backend_needs_plan_arguments(cfg: DictConfig, tmp_path: Path) -> None:
     cfg = copy.deepcopy(cfg)
     cfg.inference.backend = "vllm"
     OmegaConf.save(cfg, tmp_path / "config.yaml")
@@ -250,5 +250,5 @@ def test_vllm_backend_exits_with_status_2(cfg: DictConfig, tmp_path: Path) -> No
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2
-    assert "vllm" in proc.stderr and "not available" in proc.stderr
+    assert proc.returncode == 1
+    assert "inference.backend=vllm: no vLLM arguments" in proc.stderr

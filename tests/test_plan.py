@@ -141,3 +141,66 @@ def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:
         plan(compose_run(*overrides))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def served_args(model: str, parallel: str) -> dict[str, list[str]]:
+    p = plan(compose_run(f"model={model}", f"parallel={parallel}", "cluster=slurm"))
+    return {proc.name: proc.argv[proc.argv.index("--") + 1 :] for proc in p.role("inference")}
+
+
+def test_exact_vllm_args_glm5() -> None:
+    common = [
+        "--model", "zai-org/GLM-5-FP8", "--served-model-name", "glm5",
+        "--tensor-parallel-size", "1", "--data-parallel-size", "16",
+        "--data-parallel-size-local", "8", "--enable-expert-parallel", "--dtype", "bfloat16",
+        "--max-model-len", "131072", "--gpu-memory-utilization", "0.9", "--quantization", "fp8",
+        "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}',
+        "--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm45",
+        "--trust-remote-code", "--kv-transfer-config",
+    ]  # fmt: skip
+    kv = '{"kv_connector":"NixlConnector","kv_role":"%s"}'
+    assert served_args("glm5", "ep8") == {
+        "inference-0-prefill": [*common, kv % "kv_producer"],
+        "inference-0-decode": [*common, kv % "kv_consumer"],
+    }
+
+
+def test_exact_vllm_args_minimax_m2() -> None:
+    assert served_args("minimax_m2", "ep8") == {
+        "inference-0": [
+            "--model", "MiniMaxAI/MiniMax-M2", "--served-model-name", "minimax_m2",
+            "--tensor-parallel-size", "1", "--data-parallel-size", "8",
+            "--enable-expert-parallel", "--dtype", "bfloat16", "--max-model-len", "196608",
+            "--gpu-memory-utilization", "0.9", "--quantization", "fp8",
+            "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
+            "--reasoning-parser", "minimax_m2", "--trust-remote-code",
+        ]
+    }  # fmt: skip
+
+
+def test_exact_vllm_args_qwen3_30b_a3b() -> None:
+    tail = ["--dtype", "bfloat16", "--max-model-len", "32768", "--gpu-memory-utilization", "0.9",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--reasoning-parser", "qwen3"]  # fmt: skip
+    head = ["--model", "Qwen/Qwen3-30B-A3B", "--served-model-name", "qwen3_30b_a3b"]
+    assert served_args("qwen3_30b_a3b", "ep8") == {
+        "inference-0": [
+            *head,
+            "--tensor-parallel-size",
+            "1",
+            "--data-parallel-size",
+            "8",
+            "--enable-expert-parallel",
+            *tail,
+        ]  # fmt: skip
+    }
+    assert served_args("qwen3_30b_a3b", "tp") == {
+        "inference-0": [*head, "--tensor-parallel-size", "8", *tail]
+    }
+
+
+def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:
+    args = plan(compose_run("inference.backend=vllm")).role("inference")[0].argv
+    args = args[args.index("--") + 1 :]
+    assert args[args.index("--dtype") + 1] == "float32" and "--enforce-eager" in args
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(512 * 2**20)

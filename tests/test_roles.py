@@ -21,6 +21,7 @@ def choice(text: str, ids: list[int], version: int) -> dict:
         "token_ids": ids,
         "logprobs": {"token_logprobs": [-0.1] * len(ids)},
         "policy_version": version,
+        "policy_version_max": version,
     }
 
 

