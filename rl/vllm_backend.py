@@ -116,7 +116,6 @@ class VllmFrontend:
         return ([bos] if bos is not None else []) + ids
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        await self.ready.wait()
         prompts = [body["prompt"]] if isinstance(body["prompt"], str) else body["prompt"]
         forward = {
             **body,
@@ -124,8 +123,16 @@ class VllmFrontend:
             "prompt": [self.encode(p) for p in prompts],
             "return_token_ids": True,
         }
-        before = self.version
-        response = await self.http.post(f"{self.vllm.url}/v1/completions", json=forward)
+        for attempt in range(MAX_RESTARTS + 1):
+            await self.ready.wait()
+            before = self.version
+            try:
+                response = await self.http.post(f"{self.vllm.url}/v1/completions", json=forward)
+                break
+            except httpx.TransportError:  # vLLM died under the request: wait for the restart
+                if attempt == MAX_RESTARTS:
+                    raise
+                await asyncio.sleep(2.0)
         if response.status_code != 200:
             return {"error": response.text, "status": response.status_code}
         result = response.json()
@@ -135,20 +142,24 @@ class VllmFrontend:
     async def load_weights(self, path: Path, version: int) -> dict[str, Any]:
         async with self.swap:
             await self.ready.wait()
-            t0 = time.monotonic()
-            await self._admin("/pause", params={"mode": "keep"})
-            try:
-                await self._admin(
-                    "/collective_rpc",
-                    json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-                )
-                await self._admin("/reset_prefix_cache", params={"reset_running_requests": "true"})
-            finally:
-                await self._admin("/resume")
-            self.version, self.weights = version, path
-            seconds = time.monotonic() - t0
-            self.logger.info("loaded version %d from %s in %.3f s", version, path, seconds)
-            return {"policy_version": version, "load_s": seconds}
+            return await self._swap_weights(path, version)
+
+    async def _swap_weights(self, path: Path, version: int) -> dict[str, Any]:
+        """Pause (keeping in-flight requests), reload, drop stale prefix cache, resume."""
+        t0 = time.monotonic()
+        await self._admin("/pause", params={"mode": "keep"})
+        try:
+            await self._admin(
+                "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            )
+            await self._admin("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        finally:
+            await self._admin("/resume")
+        self.version, self.weights = version, path
+        seconds = time.monotonic() - t0
+        self.logger.info("loaded version %d from %s in %.3f s", version, path, seconds)
+        return {"policy_version": version, "load_s": seconds}
 
     async def _admin(self, route: str, **kwargs: Any) -> None:
         response = await self.http.post(f"{self.vllm.url}{route}", **kwargs)
@@ -168,9 +179,10 @@ class VllmFrontend:
             self.vllm.restarts += 1
             self.logger.warning("vLLM died; restart %d of %d", self.vllm.restarts, MAX_RESTARTS)
             await asyncio.to_thread(self.vllm.start)
+            if self.weights is not None:  # back to the weights it held before serving again
+                async with self.swap:
+                    await self._swap_weights(self.weights, self.version)
             self.ready.set()
-            if self.weights is not None:
-                await self.load_weights(self.weights, self.version)
 
 
 def build_app(front: VllmFrontend, token: str) -> FastAPI:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -157,3 +160,21 @@ def test_reverse_text_run_with_vllm(tmp_path: Path) -> None:
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in train)
     assert (run_dir / "logs" / "inference-0-vllm.log").stat().st_size > 0
+
+
+def test_dead_vllm_is_restarted_with_its_weights(server: SimpleNamespace) -> None:
+    # Runs after the weight tests: the server holds version 2, which it must reload.
+    version = server.client.get("/admin/version").json()["policy_version"]
+    before = greedy(server)
+    log = (server.run_dir / "inference.log").read_text()
+    pid = int(re.findall(r"started vLLM \(pid (\d+)\)", log)[-1])
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 600
+    while "restart 1 of 3" not in (server.run_dir / "inference.log").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    while server.client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "vLLM did not come back"
+        time.sleep(1)
+    assert server.client.get("/admin/version").json()["policy_version"] == version
+    assert greedy(server) == before  # same weights reloaded after the restart
