@@ -75,7 +75,7 @@ def write_address(run_dir: Path, name: str, host: str, port: int) -> None:
     tmp.rename(folder / f"{name}.json")
 
 
-def wait_for_address(run_dir: Path, name: str, timeout: float = 300.0) -> str:
+def wait_for_address(run_dir: Path, name: str, timeout: float = 900.0) -> str:
     """The base URL of `name`, once it has written its address; a clear error after timeout."""
     path = run_dir / "addresses" / f"{name}.json"
     deadline = time.monotonic() + timeout

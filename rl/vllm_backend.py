@@ -55,8 +55,15 @@ class VllmProcess:
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
         argv += ["--host", HOST, "--port", str(self.port)]
         with open(self.log_path, "ab") as log:
+            # Its own process group (vLLM's engine and workers join it), so it can be stopped
+            # as a unit; and SIGTERM when this role dies, so a killed role leaves no vLLM behind.
             self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
             )
         self.logger.info("started vLLM (pid %d): %s", self.proc.pid, " ".join(argv))
         self.wait_healthy()
@@ -82,16 +89,22 @@ class VllmProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
+        """End vLLM's whole process group at once (server, engine core, workers)."""
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
         except ProcessLookupError:
             pass
+        self.proc.wait()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when its parent thread exits."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class VllmFrontend:
@@ -178,7 +191,10 @@ class VllmFrontend:
                 return
             self.vllm.restarts += 1
             self.logger.warning("vLLM died; restart %d of %d", self.vllm.restarts, MAX_RESTARTS)
-            await asyncio.to_thread(self.vllm.start)
+            # Started from this (main) thread, not a worker thread: the parent-death signal
+            # fires when the forking thread exits. Requests wait on `ready` meanwhile.
+            self.vllm.stop()
+            self.vllm.start()
             if self.weights is not None:  # back to the weights it held before serving again
                 async with self.swap:
                     await self._swap_weights(self.weights, self.version)
@@ -246,6 +262,10 @@ def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logg
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
+    @app.on_event("shutdown")
+    async def stop_vllm() -> None:
+        vllm.stop()
+
     @app.on_event("startup")
     async def announce() -> None:
         asyncio.get_running_loop().create_task(front.watch())
@@ -255,4 +275,4 @@ def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logg
     try:
         server.run(sockets=[sock])
     finally:
-        vllm.stop()
+        vllm.stop()  # reached on errors; on SIGTERM the shutdown hook above has done it

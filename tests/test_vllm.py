@@ -31,6 +31,7 @@ from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weig
 from rl.runtime import auth_headers, wait_for_address
 from rl.trainer import pad_batch, token_logprobs
 from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
+from tests.test_run import group_alive
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
 pytestmark = [
@@ -168,7 +169,7 @@ def test_dead_vllm_is_restarted_with_its_weights(server: SimpleNamespace) -> Non
     before = greedy(server)
     log = (server.run_dir / "inference.log").read_text()
     pid = int(re.findall(r"started vLLM \(pid (\d+)\)", log)[-1])
-    os.killpg(pid, signal.SIGKILL)
+    os.killpg(pid, signal.SIGKILL)  # vLLM runs in a process group of its own
     deadline = time.monotonic() + 600
     while "restart 1 of 3" not in (server.run_dir / "inference.log").read_text():
         assert time.monotonic() < deadline
@@ -178,3 +179,22 @@ def test_dead_vllm_is_restarted_with_its_weights(server: SimpleNamespace) -> Non
         time.sleep(1)
     assert server.client.get("/admin/version").json()["policy_version"] == version
     assert greedy(server) == before  # same weights reloaded after the restart
+
+
+def test_no_vllm_left_after_the_role_is_killed(cfg: DictConfig, tmp_path: Path) -> None:
+    run_dir = write_run_dir(tmp_path / "run", cfg, TOKEN)
+    proc = start_role("inference", run_dir, "--replica", "0", "--", *vllm_args(cfg, 1, None))
+    try:
+        log = run_dir / "inference.log"
+        deadline = time.monotonic() + 600
+        while "started vLLM" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        pid = int(re.findall(r"started vLLM \(pid (\d+)\)", log.read_text())[-1])
+        wait_for_address(run_dir, "inference-0", timeout=600)
+    finally:
+        stop_role(proc, signal.SIGKILL)  # no chance to clean up: the kernel's signal must
+    deadline = time.monotonic() + 60
+    while group_alive(pid):
+        assert time.monotonic() < deadline, "vLLM outlived its inference role"
+        time.sleep(0.5)
