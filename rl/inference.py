@@ -11,7 +11,6 @@ response can name the single policy version that produced it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pydantic import BaseModel
 
 from rl.config import Backend
+from rl.http import bearer_guard
 from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer
 from rl.runtime import (
     listen_socket,
@@ -382,15 +382,11 @@ def _response(
 
 def build_app(engine: Engine, token: str, max_len: int) -> Any:
     """The HTTP routes; every handler awaits the engine thread's future, never the model."""
-    from fastapi import Depends, FastAPI, Header, HTTPException
+    from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
-    expected = f"Bearer {token}".encode()
-
-    def authorized(authorization: str | None = Header(None)) -> None:
-        if not hmac.compare_digest((authorization or "").encode(), expected):
-            raise HTTPException(401, "missing or wrong 'Authorization: Bearer <run token>'")
+    authorized = bearer_guard(token)
 
     app = FastAPI(title="relay-inference")
 

@@ -9,7 +9,6 @@ same step again gets the same shard. Every route but /health needs the run's bea
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 import sqlite3
@@ -22,6 +21,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 
 from rl import wire
+from rl.http import bearer_guard
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -223,12 +223,7 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
     ready = asyncio.Event()
     stats: dict[str, Any] = {"accepted": 0, "served": 0, "rejected_full": 0, "rejected_bad": 0}
     step_timings: dict[int, dict[str, float]] = {}
-    expected = f"Bearer {token}".encode()
-
-    def authorised(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise HTTPException(401, "missing or wrong bearer token")
+    authorised = bearer_guard(token)
 
     @app.get("/health", summary="Liveness; needs no token")
     def health() -> dict[str, str]:

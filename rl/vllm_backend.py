@@ -14,7 +14,6 @@ vLLM's admin routes need `VLLM_SERVER_DEV_MODE=1`; they are reachable only on lo
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -25,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 
+from rl.http import bearer_guard
 from rl.model import ensure_checkpoint, is_complete, load_tokenizer
 from rl.runtime import listen_socket, write_address
 
@@ -202,11 +202,7 @@ class VllmFrontend:
 
 
 def build_app(front: VllmFrontend, token: str) -> FastAPI:
-    expected = f"Bearer {token}".encode()
-
-    def authorized(authorization: str | None = Header(None)) -> None:
-        if not hmac.compare_digest((authorization or "").encode(), expected):
-            raise HTTPException(401, "missing or wrong 'Authorization: Bearer <run token>'")
+    authorized = bearer_guard(token)
 
     app = FastAPI(title="relay-inference (vllm)")
 
