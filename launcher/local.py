@@ -54,32 +54,51 @@ def prepare_run_dir(cfg: DictConfig, run_plan: RunPlan) -> tuple[Path, str]:
     return run_dir, token
 
 
-def _expand(argv: list[str], run_dir: Path) -> list[str]:
-    out = [a.replace("${RELAY_RUN_DIR}", str(run_dir)) for a in argv]
-    return [sys.executable if a == "python" else a for a in out]
+def expand(argv: list[str], values: dict[str, str]) -> list[str]:
+    """The plan's argv with `${NAME}` placeholders filled in and `python` this interpreter."""
+    out = []
+    for arg in argv:
+        for key, value in values.items():
+            arg = arg.replace(f"${{{key}}}", value)
+        out.append(sys.executable if arg == "python" else arg)
+    return out
+
+
+def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: Path) -> Child:
+    """Start one role in its own process group (so teardown reaches its children), logging to
+    `log_path`. SIGUSR2 is ignored: Slurm sends it to every process of a job before its time
+    limit, and only the job's supervisor acts on it."""
+    log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_children
+    proc = subprocess.Popen(
+        argv,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+        preexec_fn=_ignore_usr2,
+    )
+    return Child(name, role, proc, log_path, log_file)
+
+
+def _ignore_usr2() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def start_children(run_plan: RunPlan, run_dir: Path, token: str) -> list[Child]:
     children = []
     for spec in run_plan.processes:
-        env = {
-            **os.environ,
-            **spec.env,
-            "RELAY_TOKEN": token,
-            "RELAY_RUN_DIR": str(run_dir),
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = {**os.environ, **spec.env, "RELAY_TOKEN": token, "RELAY_RUN_DIR": str(run_dir)}
         log_path = run_dir / "logs" / f"{spec.name}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_children
-        proc = subprocess.Popen(
-            _expand(spec.argv, run_dir),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # its own process group, so teardown reaches its children
+        children.append(
+            spawn(
+                spec.name,
+                spec.role,
+                expand(spec.argv, {"RELAY_RUN_DIR": str(run_dir)}),
+                env,
+                log_path,
+            )
         )
-        children.append(Child(spec.name, spec.role, proc, log_path, log_file))
     # Each child leads its own process group (pgid == pid): recorded for audits and tests.
     pids = {c.name: c.proc.pid for c in children}
     (run_dir / "pids.json").write_text(json.dumps(pids))

@@ -63,6 +63,7 @@ class Job:
     qos: str | None
     constraint: str | None
     sbatch_extra: dict[str, Any]
+    exclusive: bool = False
 
 
 @dataclass
@@ -362,6 +363,7 @@ def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: i
         qos=c.qos,
         constraint=c.constraint,
         sbatch_extra=dict(c.sbatch_extra),
+        exclusive=bool(c.exclusive) and name != "control",
     )
 
 
@@ -402,7 +404,11 @@ def plan(cfg: DictConfig) -> RunPlan:
     backend = cfg.inference.backend or (Backend.vllm if gpus else Backend.embedded)
     # On a CPU node trainer and inference run side by side: split the cores between them
     # instead of letting both oversubscribe every core.
-    cpu_threads = {"OMP_NUM_THREADS": str(max(1, cfg.cluster.cpus_per_node // 2))}
+    # On Slurm each role group has nodes of its own.
+    threads = cfg.cluster.omp_threads or (
+        cfg.cluster.cpus_per_node if slurm else cfg.cluster.cpus_per_node // 2
+    )
+    cpu_threads = {"OMP_NUM_THREADS": str(max(1, threads))}
     kv_roles = ["kv_producer", "kv_consumer"] if _disaggregated(cfg) else [None]
     replica_gpus = gpus if slurm else _replica_gpus(cfg)
     for i in range(cfg.parallel.inference.replicas):
@@ -433,7 +439,9 @@ def plan(cfg: DictConfig) -> RunPlan:
             "--master-addr",
             "${RELAY_MASTER_ADDR}",
             "--master-port",
-            str(cfg.cluster.master_port),
+            "${RELAY_MASTER_PORT}"
+            if cfg.cluster.master_port is None
+            else str(cfg.cluster.master_port),
         ]
     else:
         torchrun.append("--standalone")
@@ -455,9 +463,16 @@ def plan(cfg: DictConfig) -> RunPlan:
         inference_nodes = cfg.parallel.inference.replicas * replica_nodes * len(kv_roles)
         c = cfg.cluster
         jobs = [
-            _job(cfg, "control", 1, 0, 8, 32),
+            _job(cfg, "control", 1, 0, min(8, c.cpus_per_node), min(32, c.mem_gb_per_node)),
             _job(cfg, "inference", inference_nodes, gpus, c.cpus_per_node, c.mem_gb_per_node),
-            _job(cfg, "trainer", trainer_nodes, per_node, c.cpus_per_node, c.mem_gb_per_node),
+            _job(
+                cfg,
+                "trainer",
+                trainer_nodes,
+                per_node if gpus else 0,
+                c.cpus_per_node,
+                c.mem_gb_per_node,
+            ),
         ]
         if cfg.cluster.partition is None:
             notes.append("no cluster.partition: Slurm's default partition is used")
@@ -481,7 +496,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     )
 
 
-def format_plan(p: RunPlan) -> str:
+def format_plan(p: RunPlan, cfg: DictConfig | None = None) -> str:
     """The plan as a readable table for `dry_run=true`."""
     lines = [
         f"run {p.run_name} on cluster={p.cluster}: trainer world {p.trainer_world_size} "
@@ -498,6 +513,11 @@ def format_plan(p: RunPlan) -> str:
                 f"{j.name:<10} {j.nodes:>5} {j.gpus_per_node:>9} {j.cpus_per_task:>5} "
                 f"{j.mem_gb:>5}GB {j.time_min:>5}m  {where}"
             )
+        if cfg is not None:
+            from launcher.slurm import sbatch_flags
+
+            for j in p.jobs:
+                lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
     lines.append("")
     lines.append(f"{'process':<20} {'job':<10} {'nodes':>5} {'gpus/node':>9}  command")
     for proc in p.processes:

@@ -48,7 +48,7 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
 
     run = wandb.init(
         project=cfg.wandb.project,
-        group=cfg.wandb.group or _sweep_group(),
+        group=cfg.wandb.group or sweep_group(),
         name=f"{cfg.name}-{run_dir.name}",
         dir=str(run_dir),
         mode=mode,
@@ -62,15 +62,32 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
     return mode
 
 
-def _sweep_group() -> str | None:
+def sweep_group() -> str | None:
     """Every point of a multirun sweep shares a wandb group named after the sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if not HydraConfig.initialized():  # a role supervisor inside a Slurm job
+        return None
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
     return f"{hydra_cfg.job.config_name}-{Path(hydra_cfg.sweep.dir).name}"
+
+
+def read_records(metrics: Path) -> list[dict]:
+    """The run's metrics records; a step a resumed trainer ran again counts once (its last
+    record), as does an eval of the same policy version."""
+    latest: dict[tuple[bool, int], dict] = {}
+    try:
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        if line.strip():
+            record = json.loads(line)
+            latest[("eval/exact_match" in record, record["step"])] = record
+    return list(latest.values())
 
 
 def finish_run(cfg: DictConfig, run_dir: Path, records: list[dict], wall_s: float) -> None:

@@ -52,6 +52,12 @@ class ClusterKind(StrEnum):
     slurm = "slurm"
 
 
+class Action(StrEnum):
+    run = "run"
+    status = "status"
+    cancel = "cancel"
+
+
 class Backend(StrEnum):
     embedded = "embedded"
     vllm = "vllm"
@@ -300,8 +306,18 @@ class ClusterConfig:
     """Slurm wall-time limit per job, in minutes."""
     sbatch_extra: dict[str, Any] = field(default_factory=dict)
     """Further sbatch options passed through unchanged."""
-    master_port: int = 29500
-    """torch.distributed rendezvous port on the first trainer node."""
+    master_port: int | None = None
+    """torch.distributed rendezvous port on the first trainer node; None: 29500 locally, and on
+    Slurm a port derived from the trainer's job id, so runs sharing a node do not collide."""
+    omp_threads: int | None = None
+    """Threads per role process on CPU-only nodes; None: every CPU of the node on Slurm (each
+    role group has nodes of its own), half of them locally (trainer and inference share)."""
+    exclusive: bool = False
+    """Slurm: ask for whole nodes (`--exclusive`) for the trainer and inference jobs."""
+    signal_delay_s: int = 120
+    """Slurm: seconds before the time limit at which a job is told to checkpoint and requeue."""
+    max_requeues: int = 3
+    """Slurm: how often a timed-out job is requeued (preemptions are always requeued)."""
 
 
 @dataclass
@@ -351,8 +367,10 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     """Most tokens (prompt + completion) per forward/backward pass; the queue packs samples into
     micro-batches under this budget and gradients are accumulated across them."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: only at the end)."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints (0: only at the end). A trainer that starts and finds a
+    checkpoint in the run directory resumes from the newest one; a preempted Slurm job also
+    checkpoints at the step it was stopped at."""
     keep_weights: int = 3
     """Published weight versions kept on disk (older ones are deleted)."""
 
@@ -391,6 +409,11 @@ class RunConfig:
     """RL trainer steps."""
     dry_run: bool = False
     """Print the plan and exit without starting or submitting anything."""
+    action: Action = Action.run
+    """`run` starts (locally) or submits (Slurm) the run; `status` shows the jobs and latest
+    step of a run; `cancel` cancels a Slurm run's jobs and records why."""
+    run_dir: str | None = None
+    """For action=status/cancel: the run directory; None: the newest run named `name`."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Inference role settings."""
     queue: QueueConfig = field(default_factory=QueueConfig)

@@ -33,14 +33,13 @@ from rl.runtime import (
     load_run_config,
     role_args,
     run_token,
+    server_host,
     setup_logging,
     write_address,
 )
 
 if TYPE_CHECKING:
     import torch
-
-HOST = "127.0.0.1"
 
 
 class Sample(NamedTuple):
@@ -431,8 +430,8 @@ def _announce(server: Any, run_dir: Path, name: str, port: int, logger: logging.
         if server.should_exit:
             return
         time.sleep(0.05)
-    write_address(run_dir, name, HOST, port)
-    logger.info("listening on http://%s:%d", HOST, port)
+    write_address(run_dir, name, server_host(), port)
+    logger.info("listening on http://%s:%d", server_host(), port)
 
 
 def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
@@ -448,7 +447,7 @@ def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
     engine = Engine(model, load_tokenizer(path), cfg, logger)
     max_len = cfg.model.inference.max_model_len or cfg.model.context_length
     app = build_app(engine, run_token(run_dir), max_len)
-    sock = listen_socket(HOST, cfg.inference.port)
+    sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, log_config=None, log_level="warning", access_log=False)

@@ -412,6 +412,7 @@ def main() -> None:
         load_run_config,
         role_args,
         run_token,
+        server_host,
         setup_logging,
         write_address,
     )
@@ -428,7 +429,7 @@ def main() -> None:
         capacity=cfg.queue.capacity,
         max_request_bytes=cfg.queue.max_request_mb * 2**20,
     )
-    sock = listen_socket("127.0.0.1", cfg.queue.port)
+    sock = listen_socket(server_host(), cfg.queue.port)
     host, port = sock.getsockname()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 

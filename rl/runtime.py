@@ -20,6 +20,17 @@ from omegaconf import DictConfig, OmegaConf
 from rl.config import RunConfig
 
 TOKEN_ENV = "RELAY_TOKEN"
+HOST_ENV = "RELAY_HOST"
+# A job supervisor asks the trainer to checkpoint and stop by creating this file in the run
+# directory; the trainer answers with the second, holding the step it checkpointed.
+CHECKPOINT_REQUEST = "control/checkpoint-request"
+CHECKPOINTED = "control/checkpointed"
+
+
+def server_host() -> str:
+    """The address a role's server binds and advertises: the node's address on a cluster
+    (set by the job supervisor), loopback on this machine."""
+    return os.environ.get(HOST_ENV, "127.0.0.1")
 
 
 def role_args(role: str, extra: bool = False) -> argparse.Namespace:

@@ -7,6 +7,7 @@ even for one process, so the same code path serves a larger world.
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import time
 from pathlib import Path
@@ -20,8 +21,10 @@ import torch.nn.functional as F
 from rl import wire
 from rl.algorithms import LOSSES, loss_stats, reduce
 from rl.envs import Example, make_environment
-from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer, publish_weights
 from rl.runtime import (
+    CHECKPOINT_REQUEST,
+    CHECKPOINTED,
     append_jsonl,
     auth_headers,
     load_run_config,
@@ -30,6 +33,16 @@ from rl.runtime import (
     setup_logging,
     wait_for_address,
 )
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete `checkpoints/step_N.pt` of the run, if any."""
+    found = [
+        (int(m.group(1)), p)
+        for p in (run_dir / "checkpoints").glob("step_*.pt")
+        if (m := re.fullmatch(r"step_(\d+)\.pt", p.name))
+    ]
+    return max(found)[1] if found else None
 
 
 def pad_batch(
@@ -219,7 +232,7 @@ class Trainer:
         }
 
     def publish(self, version: int) -> None:
-        if self.rank != 0:
+        if self.rank != 0 or is_complete(self.weights_dir / f"step_{version}"):
             return
         publish_weights(self.model, self.tokenizer, self.weights_dir / f"step_{version}")
         stale = version - self.cfg.trainer.keep_weights
@@ -240,16 +253,61 @@ class Trainer:
         torch.save(state, tmp)
         tmp.rename(folder / f"step_{step}.pt")
 
-    def run(self) -> None:
-        cfg = self.cfg
+    def resume(self) -> int:
+        """Load the newest checkpoint, if there is one; returns the step to continue from.
+
+        The queue serves step N's batch again when asked twice, so steps after the checkpoint
+        that a hard kill cut off are recomputed from the same samples.
+        """
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return 0
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        reference = self.run_dir / "checkpoints" / "reference.pt"
+        if self.cfg.algorithm.kl_coef > 0 and reference.exists():
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference.load_state_dict(torch.load(reference))
+        self.log.info("resumed from %s: continuing at step %d", path, state["step"] + 1)
+        return int(state["step"])
+
+    def start(self) -> int:
+        """Warm up and publish version 0, or resume; returns the first RL step to run."""
+        step = self.resume()
+        if step:
+            return step
         self.warmup()
-        if cfg.algorithm.kl_coef > 0:
+        if self.cfg.algorithm.kl_coef > 0:
             # The KL reference is the policy RL starts from: the weights after warm-up.
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.rank == 0:
+                folder = self.run_dir / "checkpoints"
+                folder.mkdir(exist_ok=True)
+                torch.save(self.reference.state_dict(), folder / "reference.pt")
         self.publish(0)
+        return 0
+
+    def stop_requested(self) -> bool:
+        """Whether the job supervisor asked for a checkpoint and stop (Slurm preemption or
+        time limit); every rank gets rank 0's answer, so all stop at the same step."""
+        flag = torch.tensor([float((self.run_dir / CHECKPOINT_REQUEST).exists())])
+        if self.world > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def run(self) -> None:
+        cfg = self.cfg
+        first = self.start()
         http = httpx.Client(headers=auth_headers(run_token(self.run_dir)), timeout=120.0)
         queue_url = wait_for_address(self.run_dir, "queue")
-        for step in range(cfg.max_steps):
+        for step in range(first, cfg.max_steps):
+            if self.stop_requested():
+                self.checkpoint(step)
+                if self.rank == 0:
+                    (self.run_dir / CHECKPOINTED).write_text(str(step))
+                self.log.info("checkpointed at step %d and stopped, as asked", step)
+                return
             t0 = time.monotonic()
             batch = self.fetch(http, queue_url, step)
             t_fetch = time.monotonic() - t0

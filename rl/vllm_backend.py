@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 
 from rl.http import bearer_guard
 from rl.model import ensure_checkpoint, is_complete, load_tokenizer
-from rl.runtime import listen_socket, write_address
+from rl.runtime import listen_socket, server_host, write_address
 
 HOST = "127.0.0.1"
 MAX_RESTARTS = 3
@@ -254,7 +254,7 @@ def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logg
     from rl.runtime import run_token
 
     app = build_app(front, run_token(run_dir))
-    sock = listen_socket(HOST, cfg.inference.port)
+    sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
@@ -265,8 +265,8 @@ def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logg
     @app.on_event("startup")
     async def announce() -> None:
         asyncio.get_running_loop().create_task(front.watch())
-        write_address(run_dir, name, HOST, port)
-        logger.info("listening on http://%s:%d (vLLM on port %d)", HOST, port, vllm.port)
+        write_address(run_dir, name, server_host(), port)
+        logger.info("listening on http://%s:%d (vLLM on port %d)", server_host(), port, vllm.port)
 
     try:
         server.run(sockets=[sock])

@@ -1,0 +1,284 @@
+"""The role supervisor each Slurm job runs on each of its nodes (one submitit task per node).
+
+It starts its job's roles from the plan in the run directory (with the node's address, the
+trainer's rendezvous taken from the allocation), then watches three things until the run ends:
+its own roles, the other jobs of the run (through the accounting database), and the run
+directory's `failure.json`. A role that fails, or another job that ends badly, cancels the
+whole run with the reason recorded. When Slurm asks for a checkpoint (SIGUSR2 before the time
+limit, or on preemption) the trainer checkpoints at its current step and submitit requeues
+the job; the restarted trainer resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from launcher import slurm
+from launcher.local import Child, expand, spawn, stop_children, tail
+from rl.runtime import CHECKPOINT_REQUEST, CHECKPOINTED, load_run_config, setup_logging
+
+POLL_S = 1.0
+PEER_POLL_S = 5.0
+# States a job can leave again (a preempted or failed node's job may be requeued).
+REQUEUABLE = ("PREEMPTED", "NODE_FAIL")
+REQUEUE_GRACE_S = 90.0
+STARTED = ("RUNNING", "COMPLETING", "COMPLETED")
+
+
+class RunEnded(RuntimeError):
+    """The run failed or was cancelled; `failure.json` says why."""
+
+
+class RoleGroup(submitit.helpers.Checkpointable):
+    """What submitit runs in each job: `RoleGroup(run_dir, job)()` on every node of the job."""
+
+    def __init__(self, run_dir: str, job: str) -> None:
+        self.run_dir, self.job = run_dir, job
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"run_dir": self.run_dir, "job": self.job}
+
+    def __call__(self) -> None:
+        self._group = Group(Path(self.run_dir), self.job)
+        self._group.run()
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission | None:
+        """submitit calls this on SIGUSR2; what it returns is requeued (None: not requeued)."""
+        group = getattr(self, "_group", None)
+        if self.job != "trainer":
+            # The queue and orchestrator keep their place only in the trainer's checkpoints:
+            # end the run with the reason rather than restart them from the beginning.
+            if group is not None:
+                group.refuse_requeue()
+            return None
+        if group is not None:
+            group.stop_for_requeue()
+        return super().checkpoint(*args, **kwargs)
+
+
+class Group:
+    def __init__(self, run_dir: Path, job: str) -> None:
+        self.run_dir, self.job = run_dir, job
+        self.node = int(os.environ.get("SLURM_NODEID", "0"))
+        self.job_id = os.environ["SLURM_JOB_ID"]
+        self.cfg = load_run_config(run_dir)
+        self.plan = json.loads((run_dir / "plan.json").read_text())
+        self.log = setup_logging(f"{job}-node{self.node}")
+        self.children: list[Child] = []
+        self.stopping = False
+        self.bad_since: dict[str, float] = {}
+        (run_dir / "control").mkdir(exist_ok=True)
+        (run_dir / "done").mkdir(exist_ok=True)
+
+    # --- start -----------------------------------------------------------------------------
+
+    def processes(self) -> list[dict[str, Any]]:
+        """The plan's processes this node runs: the whole trainer on every trainer node,
+        inference replicas each on their first node, the control roles on node 0."""
+        mine, offset = [], 0
+        for proc in self.plan["processes"]:
+            if proc["job"] != self.job:
+                continue
+            if self.job == "trainer" or offset == self.node:
+                mine.append(proc)
+            offset += proc["nodes"] if self.job == "inference" else 0
+        return mine
+
+    def environment(self) -> dict[str, str]:
+        nodes = slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
+        here = os.environ.get("SLURMD_NODENAME", nodes[self.node])
+        port = self.cfg.cluster.master_port or 20000 + int(self.job_id) % 20000
+        return {
+            "RELAY_RUN_DIR": str(self.run_dir),
+            "RELAY_TOKEN": (self.run_dir / "token").read_text().strip(),
+            "RELAY_HOST": slurm.node_address(here),
+            "RELAY_MASTER_ADDR": slurm.node_address(nodes[0]),
+            "RELAY_MASTER_PORT": str(port),
+            "SLURM_NODEID": str(self.node),
+        }
+
+    def start(self) -> None:
+        if self.job == "trainer":  # a request from before a requeue is answered already
+            for name in (CHECKPOINT_REQUEST, CHECKPOINTED):
+                (self.run_dir / name).unlink(missing_ok=True)
+        values = self.environment()
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        for proc in self.processes():
+            env = {**os.environ, **proc["env"], **values}
+            name = proc["name"] if self.job != "trainer" else f"trainer-node{self.node}"
+            argv = expand(proc["argv"], values)
+            self.children.append(spawn(name, proc["role"], argv, env, logs / f"{name}.log"))
+            self.log.info("started %s on %s: %s", name, values["RELAY_HOST"], " ".join(argv))
+
+    # --- watch -----------------------------------------------------------------------------
+
+    def peers(self) -> dict[str, str]:
+        jobs = slurm.read_jobs(self.run_dir)
+        return {name: job_id for name, job_id in jobs.items() if name != self.job}
+
+    def check_peers(self, peers: dict[str, str]) -> dict[str, slurm.JobState]:
+        """Each peer job's state; cancels the run when one has ended badly."""
+        states = slurm.job_states(list(peers.values()))
+        now = time.monotonic()
+        for name, job_id in peers.items():
+            state = states.get(job_id)
+            if state is None or not slurm.ended_badly(state.state):
+                self.bad_since.pop(name, None)
+                continue
+            first = self.bad_since.setdefault(name, now)
+            if state.state.split()[0] in REQUEUABLE and now - first < REQUEUE_GRACE_S:
+                continue  # Slurm may requeue it
+            self.fail(f"job {name} ({job_id}) ended {state.state}", name, cancel_self=True)
+        return states
+
+    def wait_for_peers(self, peers: dict[str, str]) -> None:
+        """Start the roles only once every other job of the run has started."""
+        last_note = 0.0
+        while True:
+            states = self.check_peers(peers)
+            waiting = {
+                name: states[job_id]
+                for name, job_id in peers.items()
+                if job_id not in states or states[job_id].state.split()[0] not in STARTED
+            }
+            if not waiting:
+                return
+            if time.monotonic() - last_note > 30:
+                self.log.info(
+                    "waiting for jobs to start: %s",
+                    ", ".join(f"{n} ({s.state}, {s.reason})" for n, s in waiting.items()),
+                )
+                last_note = time.monotonic()
+            self.check_failure()
+            time.sleep(PEER_POLL_S)
+
+    def check_failure(self) -> None:
+        failure = self.run_dir / slurm.FAILURE_FILE
+        if failure.exists():
+            reason = json.loads(failure.read_text())["reason"]
+            raise RunEnded(f"the run ended: {reason}")
+
+    def fail(self, reason: str, job: str, cancel_self: bool = False) -> None:
+        """Record why (if nobody has yet), cancel the run's jobs, and end this one.
+
+        When another job ended, this one is cancelled with the rest; when one of this job's
+        roles failed, this job ends FAILED and the others are cancelled.
+        """
+        self.log.error("%s: cancelling the run", reason)
+        slurm.record_failure(self.run_dir, reason, job)
+        ids = list(slurm.read_jobs(self.run_dir).values())
+        others = [job_id for job_id in ids if job_id != self.job_id]
+        self.stopping = True
+        slurm.slurm("scancel", *others, *([self.job_id] if cancel_self else []), check=False)
+        raise RunEnded(reason)
+
+    def check_children(self) -> list[Child]:
+        """The roles that finished cleanly; a failed role fails the run."""
+        finished = []
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if self.stopping or (self.run_dir / CHECKPOINT_REQUEST).exists():
+                continue  # stopped for a checkpoint or by Slurm: neither done nor failed
+            if code == 0 and child.role in ("trainer", "orchestrator"):
+                finished.append(child)
+                continue
+            self.fail(
+                f"role {child.name} in job {self.job} ({self.job_id}) exited with code {code}; "
+                f"last lines of {child.log_path}:\n{tail(child.log_path)}",
+                self.job,
+            )
+        return finished
+
+    def finished(self, done: list[Child]) -> bool:
+        """Whether this node's part of the run is over (and, for control, report it)."""
+        complete = self.run_dir / slurm.COMPLETE_FILE
+        if self.job == "trainer":
+            if done and self.node == 0:
+                (self.run_dir / "done" / "trainer").touch()
+            return bool(done)
+        if self.job == "inference":
+            return complete.exists()
+        if any(c.role == "orchestrator" for c in done):
+            (self.run_dir / "done" / "orchestrator").touch()
+        if not (self.run_dir / "done" / "trainer").exists():
+            return False
+        if not (self.run_dir / "done" / "orchestrator").exists():
+            return False
+        self.report()
+        complete.touch()
+        return True
+
+    def report(self) -> None:
+        from launcher.report import finish_run, read_records
+
+        records = read_records(self.run_dir / "metrics.jsonl")
+        started = (self.run_dir / "config.yaml").stat().st_mtime
+        finish_run(self.cfg, self.run_dir, records, time.time() - started)
+
+    def run(self) -> None:
+        previous = signal.signal(signal.SIGTERM, self._terminated)
+        try:
+            peers = self.peers()
+            self.wait_for_peers(peers)
+            self.start()
+            last_peer_check = time.monotonic()
+            while True:
+                self.check_failure()
+                if self.finished(self.check_children()):
+                    self.log.info("done")
+                    return
+                if time.monotonic() - last_peer_check > PEER_POLL_S:
+                    self.check_peers(peers)
+                    last_peer_check = time.monotonic()
+                time.sleep(POLL_S)
+        finally:
+            stop_children(self.children)
+            signal.signal(signal.SIGTERM, previous)
+
+    def _terminated(self, signum: int, frame: object) -> None:
+        """scancel, preemption or the time limit: Slurm signals every process of the job, so
+        the roles are ending too; that is not a role failure. The other jobs see this job's
+        state in the accounting database and record the cause."""
+        self.log.warning("SIGTERM from Slurm: this job is being cancelled or preempted")
+        self.stopping = True
+
+    # --- requeue ---------------------------------------------------------------------------
+
+    def refuse_requeue(self) -> None:
+        reason = (
+            f"job {self.job} ({self.job_id}) was told to stop (time limit or preemption); "
+            f"only the trainer job resumes after a requeue"
+        )
+        try:
+            self.fail(reason, self.job)
+        except RunEnded:
+            pass
+        stop_children(self.children)
+        self.children = []
+
+    def stop_for_requeue(self) -> None:
+        """Called by submitit on SIGUSR2: checkpoint the trainer at its current step, stop."""
+        self.stopping = True
+        if self.job == "trainer" and self.children:
+            (self.run_dir / CHECKPOINT_REQUEST).touch()
+            budget = max(10.0, self.cfg.cluster.signal_delay_s - 30.0)
+            deadline = time.monotonic() + budget
+            while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
+                time.sleep(0.2)
+            marker = self.run_dir / CHECKPOINTED
+            if marker.exists():
+                self.log.info("trainer checkpointed at step %s; requeueing", marker.read_text())
+            else:
+                self.log.warning("trainer did not checkpoint in %.0f s; requeueing", budget)
+        stop_children(self.children)
+        self.children = []

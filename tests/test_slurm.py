@@ -1,0 +1,335 @@
+"""`cluster=slurm` against a real Slurm cluster: the one `.ci/slurm/start` brings up here
+(six emulated nodes, slurmdbd for job states). Runs are submitted with the `rl` command, as a
+user on a login node would, and watched through sacct and the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import slurm
+from launcher.report import read_records
+
+RL = str(Path(sys.executable).with_name("rl"))
+CLUSTER = ["cluster=slurm_cpu", "warmup.steps=80"]
+ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def _slurm_answers() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True)
+    return out.returncode == 0 and "cpu" in out.stdout
+
+
+needs_slurm = pytest.mark.skipif(
+    not _slurm_answers(), reason="no Slurm cluster answers (start one with .ci/slurm/start)"
+)
+pytestmark = pytest.mark.slurm
+
+
+def rl(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [RL, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "WANDB_MODE": "offline", **(env or {})},
+    )
+
+
+def submitted_run(result: subprocess.CompletedProcess) -> Path:
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("run directory: "))
+    return Path(line.removeprefix("run directory: "))
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 2.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def final_states(run_dir: Path, timeout: float = 600) -> dict[str, slurm.JobState]:
+    """Each job's state once every job of the run has ended."""
+    ids = slurm.read_jobs(run_dir)
+
+    def ended() -> dict[str, slurm.JobState] | None:
+        states = slurm.job_states(list(ids.values()))
+        if all(states.get(i) and states[i].state.split()[0] in ENDED for i in ids.values()):
+            return {name: states[i] for name, i in ids.items()}
+        return None
+
+    try:
+        return wait_until(ended, timeout, f"the jobs of {run_dir} to end")
+    except AssertionError:
+        slurm.slurm("scancel", *ids.values(), check=False)
+        raise
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "reward/mean" in r]
+
+
+def steps_so_far(run_dir: Path) -> list[int]:
+    return train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+
+
+def queued_jobs() -> set[str]:
+    return set(slurm.slurm("squeue", "-h", "-o", "%i").split())
+
+
+@needs_slurm
+def test_run_completes_across_nodes_and_reward_rises(tmp_path: Path) -> None:
+    result = rl(tmp_path, *CLUSTER, "max_steps=200")
+    run_dir = submitted_run(result)
+    # Submission returns at once and leaves the run to Slurm; no partition: the default one.
+    assert "(partition cpu)" in result.stdout
+    states = final_states(run_dir)
+    assert {name: s.state for name, s in states.items()} == dict.fromkeys(states, "COMPLETED")
+    assert set(states) == {"control", "inference", "trainer"}
+    assert states["inference"].nodes != states["trainer"].nodes, states
+    assert (run_dir / "complete").exists() and not (run_dir / "failure.json").exists()
+    assert train_steps(run_dir) == list(range(1, 201))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    first, last = summary["eval/exact_match/first"], summary["eval/exact_match/last"]
+    assert last >= first + 0.2, summary  # as the local run: 0.17 -> 0.65 at 200 steps here
+    assert (run_dir / "reward.png").stat().st_size > 0
+    status = rl(tmp_path, "action=status", f"run_dir={run_dir}")
+    assert status.returncode == 0, status.stderr
+    assert "latest step 200/200" in status.stdout and "complete" in status.stdout
+    assert status.stdout.count("COMPLETED") == 3
+
+
+@needs_slurm
+def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
+    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=300"))
+    ids = slurm.read_jobs(run_dir)
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 300, "the first trainer step")
+    slurm.slurm("scancel", ids["inference"])
+    states = final_states(run_dir, timeout=180)
+    assert {s.state.split()[0] for s in states.values()} == {"CANCELLED"}, states
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["job"] == "inference"
+    assert f"job inference ({ids['inference']}) ended CANCELLED" in failure["reason"]
+    assert not queued_jobs() & set(ids.values())
+    status = rl(tmp_path, "action=status", f"run_dir={run_dir}")
+    assert "ended: job inference" in status.stdout
+
+
+@needs_slurm
+def test_requeued_trainer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    # No periodic checkpoints: the one the trainer resumes from is the one it wrote when told.
+    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60", "trainer.checkpoint_every=0"))
+    ids = slurm.read_jobs(run_dir)
+    wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
+    # What Slurm sends before the time limit (--signal=USR2@...), and a preemption test sends.
+    slurm.slurm("scancel", "--signal=USR2", ids["trainer"])
+    # Slurm holds a requeued job back for a while (BeginTime); let it start again at once.
+    wait_until(
+        lambda: slurm.job_states([ids["trainer"]])[ids["trainer"]].state == "PENDING",
+        120,
+        "the trainer job to be requeued",
+        poll=0.5,
+    )
+    slurm.slurm("scontrol", "update", f"JobId={ids['trainer']}", "StartTime=now")
+    states = final_states(run_dir)
+    assert {s.state for s in states.values()} == {"COMPLETED"}, states
+    log = (run_dir / "logs" / "trainer-node0.log").read_text()
+    stopped = int(log.split("checkpointed at step ")[1].split()[0])
+    assert 10 <= stopped < 60
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped}.pt" in log
+    assert f"continuing at step {stopped + 1}" in log
+    submitit_log = next((run_dir / "slurm" / "trainer").glob("*_0_log.out")).read_text()
+    assert f"Requeued job {ids['trainer']}" in submitit_log
+    # No step lost and none repeated across the requeue.
+    assert train_steps(run_dir) == list(range(1, 61))
+    assert (run_dir / "complete").exists()
+
+
+@needs_slurm
+def test_sweep_submits_one_complete_run_per_point(tmp_path: Path) -> None:
+    result = rl(tmp_path, "-m", *CLUSTER, "max_steps=10", "algorithm.lr=1e-3,3e-4")
+    assert result.returncode == 0, result.stderr
+    runs = [
+        Path(x.removeprefix("run directory: "))
+        for x in result.stdout.splitlines()
+        if x.startswith("run directory: ")
+    ]
+    assert len(runs) == 2 and runs[0].parent == runs[1].parent
+    for run_dir, lr in zip(runs, (0.001, 0.0003), strict=True):
+        states = final_states(run_dir)
+        assert {s.state for s in states.values()} == {"COMPLETED"}, (run_dir, states)
+        assert train_steps(run_dir) == list(range(1, 11))
+        config = (run_dir / "config.yaml").read_text()
+        assert f"lr: {lr}" in config
+        wandb_group = [x for x in config.splitlines() if x.strip().startswith("group:")]
+        assert wandb_group and "None" not in wandb_group[0] and "null" not in wandb_group[0]
+    first, second = (json.dumps(read_records(r / "metrics.jsonl")) for r in runs)
+    assert first != second  # two learning rates, two trajectories
+
+
+@needs_slurm
+def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
+    result = rl(
+        tmp_path,
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.cpus_per_task=2",
+        "hydra.launcher.mem_gb=4",
+        "hydra.launcher.timeout_min=20",
+        "max_steps=10",
+        "algorithm.lr=1e-3,3e-4",
+    )
+    assert result.returncode == 0, result.stderr
+    sweep = next((tmp_path / "outputs").glob("*-sweep/*"))
+    array_logs = sorted(sweep.glob(".submitit/*_*/*_log.out"))
+    assert len(array_logs) == 2  # one array task per point
+    for point in ("0", "1"):
+        assert train_steps(sweep / point) == list(range(1, 11))
+        assert (sweep / point / "summary.json").exists()
+
+
+@needs_slurm
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["cluster.partition=gpu"],
+            "cluster.partition=gpu: the cluster has no such partition (it has: cpu, debug)",
+        ),
+        (["cluster.account=nobody"], "cluster.account=nobody: user root has no such account"),
+        (["cluster.qos=premium"], "cluster.qos=premium: the cluster has no such QOS"),
+        (
+            ["cluster.partition=debug"],
+            "the run's jobs need 3 nodes at once (control 1, "
+            "inference 1, trainer 1) but partition debug has 1",
+        ),
+        (
+            ["cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80"],
+            "cluster.gpus_per_node=8: job inference asks for 8 GPUs per node; partition cpu's "
+            "nodes have at most 0",
+        ),
+        (
+            ["cluster.cpus_per_node=16"],
+            "job control asks for 8 CPUs per node; partition cpu's nodes have at most 2",
+        ),
+    ],
+)
+def test_bad_cluster_settings_fail_before_submission(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    before = queued_jobs()
+    result = rl(tmp_path, *CLUSTER, *overrides)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert queued_jobs() == before
+    assert not (tmp_path / "outputs").exists()
+
+
+@needs_slurm
+def test_dry_run_shows_each_job_and_submits_nothing(tmp_path: Path) -> None:
+    before = queued_jobs()
+    result = rl(tmp_path, *CLUSTER, "dry_run=true")
+    assert result.returncode == 0, result.stderr
+    for job in ("control", "inference", "trainer"):
+        assert f"sbatch {job}: --job-name=reverse_text-tiny-{job} --nodes=1" in result.stdout
+    assert "--cpus-per-task=2 --mem=6GB --time=60" in result.stdout
+    assert queued_jobs() == before
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_slurm_without_sbatch_fails_instead_of_running_here(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    result = rl(tmp_path, *CLUSTER, env={"PATH": str(bare)})
+    assert result.returncode == 2
+    assert "submit from a Slurm login node" in result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    ("gres", "gpus"),
+    [
+        ("(null)", 0),
+        ("gpu:8", 8),
+        ("gpu:h100:8(S:0-1)", 8),
+        ("gpu:a100:4,gpu:h100:4", 8),
+        ("shard:16,gpu:2", 2),
+    ],
+)
+def test_gpus_read_from_a_nodes_gres(gres: str, gpus: int) -> None:
+    assert slurm._gpus(gres) == gpus
+
+
+def test_sbatch_options_follow_the_plan() -> None:
+    from launcher.plan import plan
+    from tests.conftest import compose_run
+
+    cfg = compose_run(
+        "model=glm5",
+        "parallel=ep8",
+        "cluster=slurm",
+        "cluster.partition=gpu",
+        "cluster.account=proj",
+        "cluster.qos=high",
+        "cluster.exclusive=true",
+        "+cluster.sbatch_extra.reservation=rl",
+    )
+    p = plan(cfg)
+    flags = {j.name: slurm.sbatch_flags(j, p.run_name, cfg) for j in p.jobs}
+    trainer = next(j for j in p.jobs if j.name == "trainer")
+    assert flags["trainer"] == (
+        f"--job-name={p.run_name}-trainer --nodes={trainer.nodes} --ntasks-per-node=1 "
+        f"--cpus-per-task=96 --mem=1024GB --time=1440 --partition=gpu --account=proj "
+        f"--qos=high --gpus-per-node=8 --exclusive --signal=USR2@120 --reservation=rl"
+    )
+    # The control job needs no GPU and no whole node.
+    assert "--gpus-per-node" not in flags["control"] and "--exclusive" not in flags["control"]
+
+
+def test_resumed_steps_count_once() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        lines = [
+            {"step": 1, "reward/mean": 0.1},
+            {"step": 2, "reward/mean": 0.2},
+            {"step": 0, "eval/exact_match": 0.0},
+            {"step": 2, "reward/mean": 0.25},  # recomputed after a hard kill and resume
+            {"step": 3, "reward/mean": 0.3},
+        ]
+        metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        records = read_records(metrics)
+    train = sorted((r["step"], r["reward/mean"]) for r in records if "reward/mean" in r)
+    assert train == [(1, 0.1), (2, 0.25), (3, 0.3)]
+    assert [r["step"] for r in records if "eval/exact_match" in r] == [0]
+
+
+@needs_slurm
+def test_control_job_told_to_stop_ends_the_run_with_the_reason(tmp_path: Path) -> None:
+    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=300"))
+    ids = slurm.read_jobs(run_dir)
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 300, "the first trainer step")
+    slurm.slurm("scancel", "--signal=USR2", ids["control"])
+    states = final_states(run_dir, timeout=180)
+    assert states["control"].state == "FAILED", states
+    assert {states[j].state.split()[0] for j in ("inference", "trainer")} == {"CANCELLED"}
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["job"] == "control"
+    assert "only the trainer job resumes after a requeue" in failure["reason"]
