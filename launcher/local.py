@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -40,6 +40,35 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+
+    def restart(self) -> None:
+        """Start the role again with the same command (appending to its log)."""
+        self.log_file.close()
+        again = spawn(self.name, self.role, self.argv, self.env, self.log_path)
+        self.proc, self.log_file = again.proc, again.log_file
+        self.restarts += 1
+
+
+def restart_or_fail(child: Child, code: int, max_restarts: int) -> None:
+    """Restart a role that died, or raise RunFailed once it has used its restarts."""
+    if child.restarts >= max_restarts:
+        after = f" after {child.restarts} restart(s)" if child.restarts else ""
+        raise RunFailed(
+            f"role {child.name} exited with code {code}{after}; last lines of "
+            f"{child.log_path}:\n{tail(child.log_path)}"
+        )
+    print(
+        f"role {child.name} exited with code {code}: restarting it "
+        f"({child.restarts + 1} of {max_restarts})",
+        file=sys.stderr,
+        flush=True,
+    )
+    with open(child.log_path, "ab") as log:
+        log.write(f"--- exited with code {code}; restarting ---\n".encode())
+    child.restart()
 
 
 def prepare_run_dir(cfg: DictConfig, run_plan: RunPlan) -> tuple[Path, str]:
@@ -78,7 +107,7 @@ def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: 
         start_new_session=True,
         preexec_fn=_ignore_usr2,
     )
-    return Child(name, role, proc, log_path, log_file)
+    return Child(name, role, proc, log_path, log_file, argv, env)
 
 
 def _ignore_usr2() -> None:
@@ -99,10 +128,36 @@ def start_children(run_plan: RunPlan, run_dir: Path, token: str) -> list[Child]:
                 log_path,
             )
         )
-    # Each child leads its own process group (pgid == pid): recorded for audits and tests.
-    pids = {c.name: c.proc.pid for c in children}
-    (run_dir / "pids.json").write_text(json.dumps(pids))
+    write_pids(run_dir, children)
     return children
+
+
+def read_pids(run_dir: Path) -> dict[str, int]:
+    try:
+        return json.loads((run_dir / "pids.json").read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is in process group `pgid`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def write_pids(run_dir: Path, children: list[Child]) -> None:
+    """Each child leads its own process group (pgid == pid): recorded for audits, tests, and
+    to refuse resuming a run that is still running."""
+    pids = {c.name: c.proc.pid for c in children}
+    tmp = run_dir / ".pids.json.tmp"
+    tmp.write_text(json.dumps(pids))
+    tmp.rename(run_dir / "pids.json")
 
 
 def stop_children(children: list[Child]) -> None:
@@ -135,10 +190,11 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join(f"    {line}" for line in text[-lines:])
 
 
-def check_children(children: list[Child], done: set[str]) -> None:
-    """Raise RunFailed when a role exits with an error, or a server exits at all.
+def check_children(children: list[Child], done: set[str], max_restarts: int = 0) -> bool:
+    """Restart roles that died (a server exiting at all counts), within `max_restarts` each;
+    returns whether any was restarted. Raises RunFailed for a role out of restarts.
 
-    Every role found dead is named: a killed server takes its clients down with it, and the
+    Every role found dead is named: a killed server can take its clients down with it, and the
     launcher may see both at once. Roles ended by a signal are listed first (the likely cause),
     with the last lines of the first one's log.
     """
@@ -152,11 +208,20 @@ def check_children(children: list[Child], done: set[str]) -> None:
             continue
         failed.append((child, code))
     if not failed:
-        return
+        return False
     failed.sort(key=lambda item: item[1] >= 0)  # signal deaths (negative codes) first
-    first = failed[0][0]
-    names = "; ".join(f"role {c.name} exited with code {code}" for c, code in failed)
-    raise RunFailed(f"{names}; last lines of {first.log_path}:\n{tail(first.log_path)}")
+    spent = [(c, code) for c, code in failed if c.restarts >= max_restarts]
+    if spent:
+        first = spent[0][0]
+        names = "; ".join(
+            f"role {c.name} exited with code {code}"
+            + (f" after {c.restarts} restart(s)" if c.restarts else "")
+            for c, code in failed
+        )
+        raise RunFailed(f"{names}; last lines of {first.log_path}:\n{tail(first.log_path)}")
+    for child, code in failed:
+        restart_or_fail(child, code, max_restarts)
+    return True
 
 
 class Progress:
@@ -168,9 +233,16 @@ class Progress:
         self.last_eval: float | None = None
         self.records: list[dict] = []
 
+    def skip_existing(self) -> None:
+        """Show only what is recorded from now on (a resumed run's history is on disk)."""
+        if self.metrics.exists():
+            self.offset = self.metrics.stat().st_size
+
     def poll(self) -> None:
         if not self.metrics.exists():
             return
+        if self.metrics.stat().st_size < self.offset:  # a resumed trainer dropped records
+            self.offset = self.metrics.stat().st_size
         with open(self.metrics) as f:
             f.seek(self.offset)
             chunk = f.read()
@@ -207,20 +279,27 @@ def wait_ready(run_plan: RunPlan, run_dir: Path, children: list[Child]) -> None:
         print(f"ready: {name}", flush=True)
 
 
-def run_local(cfg: DictConfig, run_plan: RunPlan) -> None:
-    """Start every role of the plan here and supervise it to the end."""
-    run_dir, token = prepare_run_dir(cfg, run_plan)
+def run_local(cfg: DictConfig, run_plan: RunPlan, resume: Path | None = None) -> None:
+    """Start every role of the plan here and supervise it to the end; with `resume`, continue
+    the run in that directory (each role picks up from its own state there)."""
+    if resume is None:
+        run_dir, token = prepare_run_dir(cfg, run_plan)
+    else:
+        run_dir, token = resume, (resume / "token").read_text().strip()
     print(f"run directory: {run_dir}", flush=True)
     t0 = time.monotonic()
-    children = start_children(run_plan, run_dir, token)
     progress = Progress(run_dir / "metrics.jsonl", cfg.max_steps)
+    if resume is not None:
+        progress.skip_existing()
+    children = start_children(run_plan, run_dir, token)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         wait_ready(run_plan, run_dir, children)
         done: set[str] = set()
         finishing = {c.name for c in children if c.role in FINISHING_ROLES}
         while done != finishing:
-            check_children(children, done)
+            if check_children(children, done, cfg.max_restarts):
+                write_pids(run_dir, children)
             progress.poll()
             time.sleep(0.2)
         progress.poll()
@@ -236,9 +315,9 @@ def run_local(cfg: DictConfig, run_plan: RunPlan) -> None:
         signal.signal(signal.SIGTERM, previous)
     stop_children(children)
     wall = time.monotonic() - t0
-    from launcher.report import finish_run
+    from launcher.report import finish_run, read_records
 
-    finish_run(cfg, run_dir, progress.records, wall)
+    finish_run(cfg, run_dir, read_records(run_dir / "metrics.jsonl"), wall)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

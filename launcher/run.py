@@ -14,6 +14,12 @@ from rl.config import Action, ClusterKind
 def launch(cfg: DictConfig) -> None:
     """Plan the composed run and execute it; tests call this directly."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.resume:
+        try:
+            resume(Path(cfg.resume))
+        finally:
+            _remove_if_empty(run_dir)
+        return
     if cfg.action != Action.run:
         from launcher import slurm
 
@@ -42,6 +48,37 @@ def launch(cfg: DictConfig) -> None:
     from launcher.local import run_local
 
     run_local(cfg, run_plan)
+
+
+def resume(target: Path) -> None:
+    """Continue the run in `target` with the config it was started with."""
+    from launcher.errors import ConfigError
+    from launcher.local import group_alive, read_pids
+    from rl.runtime import load_run_config
+
+    others = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+    if others:
+        raise ConfigError(
+            f"resume={target}: takes no other overrides (got {' '.join(others)}); the run "
+            f"continues with the config in its directory"
+        )
+    if not (target / "config.yaml").exists() or not (target / "token").exists():
+        raise ConfigError(f"resume={target}: not a run directory (no config.yaml and token)")
+    if (target / "summary.json").exists():
+        raise ConfigError(f"resume={target}: the run has finished (summary.json is there)")
+    cfg = load_run_config(target)
+    run_plan = plan(cfg)
+    if cfg.cluster.kind == ClusterKind.slurm:
+        from launcher.slurm import resubmit
+
+        resubmit(cfg, run_plan, target)
+        return
+    alive = [name for name, pgid in read_pids(target).items() if group_alive(pgid)]
+    if alive:
+        raise ConfigError(f"resume={target}: the run is still running ({', '.join(alive)})")
+    from launcher.local import run_local
+
+    run_local(cfg, run_plan, resume=target)
 
 
 def _remove_if_empty(run_dir: Path) -> None:

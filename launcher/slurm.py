@@ -222,17 +222,55 @@ def sbatch_flags(job: Job, run_name: str, cfg: DictConfig) -> str:
 
 def submit(cfg: DictConfig, run_plan: RunPlan) -> Path:
     """Submit the run's jobs and return its directory; nothing is left behind on failure."""
-    import submitit
-
     from launcher.local import prepare_run_dir
     from launcher.report import sweep_group
-    from launcher.supervisor import RoleGroup
 
     partition = preflight(cfg, run_plan)
     if cfg.wandb.group is None:
         with open_dict(cfg):
             cfg.wandb.group = sweep_group()
     run_dir, _ = prepare_run_dir(cfg, run_plan)
+    try:
+        _submit_jobs(cfg, run_plan, run_dir, partition)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir
+
+
+def resubmit(cfg: DictConfig, run_plan: RunPlan, run_dir: Path) -> None:
+    """Submit the jobs of an ended run again; its roles pick up from the run directory."""
+    ids = read_jobs(run_dir)
+    states = job_states(list(ids.values()))
+    live = [name for name, i in ids.items() if i in states and not _ended(states[i].state)]
+    if live:
+        raise ConfigError(
+            f"resume={run_dir}: jobs {', '.join(live)} are still queued or running "
+            f"(rl action=cancel run_dir={run_dir} first)"
+        )
+    partition = preflight(cfg, run_plan)
+    history = run_dir / "ended"
+    history.mkdir(exist_ok=True)
+    attempt = len(list(history.glob("jobs-*.json")))
+    (run_dir / JOBS_FILE).rename(history / f"jobs-{attempt}.json")
+    if (run_dir / FAILURE_FILE).exists():
+        (run_dir / FAILURE_FILE).rename(history / f"failure-{attempt}.json")
+    for marker in ("done/trainer", "done/orchestrator", COMPLETE_FILE):
+        (run_dir / marker).unlink(missing_ok=True)
+    _submit_jobs(cfg, run_plan, run_dir, partition)
+
+
+def _ended(state: str) -> bool:
+    return state.split()[0] in (*ENDED_BADLY, "COMPLETED")
+
+
+def _submit_jobs(cfg: DictConfig, run_plan: RunPlan, run_dir: Path, partition: str) -> None:
+    """Submit every job held, record the ids, release them together; on any failure cancel
+    what was submitted and raise ConfigError."""
+    import submitit
+
+    from launcher.supervisor import RoleGroup
+
     ids: dict[str, str] = {}
     try:
         for job in run_plan.jobs:
@@ -249,7 +287,6 @@ def submit(cfg: DictConfig, run_plan: RunPlan) -> Path:
     except BaseException as err:
         if ids:
             slurm("scancel", *ids.values(), check=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
         if isinstance(err, Exception):
             lines = str(err).strip().splitlines() or [type(err).__name__]
             raise ConfigError(f"submission failed, nothing left queued: {lines[-1]}") from None
@@ -258,7 +295,6 @@ def submit(cfg: DictConfig, run_plan: RunPlan) -> Path:
     for name, job_id in ids.items():
         print(f"submitted job {job_id}: {run_plan.run_name}-{name} (partition {partition})")
     print(f"status: rl action=status run_dir={run_dir}")
-    return run_dir
 
 
 def write_json(path: Path, value: Any) -> None:

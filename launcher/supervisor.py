@@ -6,7 +6,8 @@ its own roles, the other jobs of the run (through the accounting database), and 
 directory's `failure.json`. A role that fails, or another job that ends badly, cancels the
 whole run with the reason recorded. When Slurm asks for a checkpoint (SIGUSR2 before the time
 limit, or on preemption) the trainer checkpoints at its current step and submitit requeues
-the job; the restarted trainer resumes from that checkpoint.
+the job; the restarted trainer resumes from that checkpoint, and requeued control or
+inference jobs pick up from the queue's store.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 import submitit
 
 from launcher import slurm
-from launcher.local import Child, expand, spawn, stop_children, tail
+from launcher.errors import ConfigError
+from launcher.local import Child, RunFailed, expand, restart_or_fail, spawn, stop_children
 from rl.runtime import CHECKPOINT_REQUEST, CHECKPOINTED, load_run_config, setup_logging
 
 POLL_S = 1.0
@@ -30,6 +32,7 @@ PEER_POLL_S = 5.0
 REQUEUABLE = ("PREEMPTED", "NODE_FAIL")
 REQUEUE_GRACE_S = 90.0
 STARTED = ("RUNNING", "COMPLETING", "COMPLETED")
+CANCEL_WAIT_S = 60.0
 
 
 class RunEnded(RuntimeError):
@@ -49,15 +52,10 @@ class RoleGroup(submitit.helpers.Checkpointable):
         self._group = Group(Path(self.run_dir), self.job)
         self._group.run()
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission | None:
-        """submitit calls this on SIGUSR2; what it returns is requeued (None: not requeued)."""
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """submitit calls this on SIGUSR2 (time limit or preemption) and requeues what it
+        returns: this job, whose roles resume from the run directory when it starts again."""
         group = getattr(self, "_group", None)
-        if self.job != "trainer":
-            # The queue and orchestrator keep their place only in the trainer's checkpoints:
-            # end the run with the reason rather than restart them from the beginning.
-            if group is not None:
-                group.refuse_requeue()
-            return None
         if group is not None:
             group.stop_for_requeue()
         return super().checkpoint(*args, **kwargs)
@@ -126,7 +124,11 @@ class Group:
 
     def check_peers(self, peers: dict[str, str]) -> dict[str, slurm.JobState]:
         """Each peer job's state; cancels the run when one has ended badly."""
-        states = slurm.job_states(list(peers.values()))
+        try:
+            states = slurm.job_states(list(peers.values()))
+        except ConfigError as err:  # the accounting database did not answer: ask again later
+            self.log.warning("could not read job states: %s", err)
+            return {}
         now = time.monotonic()
         for name, job_id in peers.items():
             state = states.get(job_id)
@@ -176,12 +178,17 @@ class Group:
         slurm.record_failure(self.run_dir, reason, job)
         ids = list(slurm.read_jobs(self.run_dir).values())
         others = [job_id for job_id in ids if job_id != self.job_id]
-        self.stopping = True
         slurm.slurm("scancel", *others, *([self.job_id] if cancel_self else []), check=False)
+        if cancel_self:  # end as CANCELLED, not FAILED: wait for Slurm's SIGTERM (bounded)
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            while not self.stopping and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.stopping = True
         raise RunEnded(reason)
 
     def check_children(self) -> list[Child]:
-        """The roles that finished cleanly; a failed role fails the run."""
+        """The roles that finished cleanly; a role that died is restarted, within
+        `max_restarts`, and past that fails the run."""
         finished = []
         for child in self.children:
             code = child.proc.poll()
@@ -192,11 +199,10 @@ class Group:
             if code == 0 and child.role in ("trainer", "orchestrator"):
                 finished.append(child)
                 continue
-            self.fail(
-                f"role {child.name} in job {self.job} ({self.job_id}) exited with code {code}; "
-                f"last lines of {child.log_path}:\n{tail(child.log_path)}",
-                self.job,
-            )
+            try:
+                restart_or_fail(child, code, self.cfg.max_restarts)
+            except RunFailed as err:
+                self.fail(f"in job {self.job} ({self.job_id}): {err}", self.job)
         return finished
 
     def finished(self, done: list[Child]) -> bool:
@@ -254,20 +260,10 @@ class Group:
 
     # --- requeue ---------------------------------------------------------------------------
 
-    def refuse_requeue(self) -> None:
-        reason = (
-            f"job {self.job} ({self.job_id}) was told to stop (time limit or preemption); "
-            f"only the trainer job resumes after a requeue"
-        )
-        try:
-            self.fail(reason, self.job)
-        except RunEnded:
-            pass
-        stop_children(self.children)
-        self.children = []
-
     def stop_for_requeue(self) -> None:
-        """Called by submitit on SIGUSR2: checkpoint the trainer at its current step, stop."""
+        """Called by submitit on SIGUSR2: the trainer checkpoints at the step it is on; the
+        other roles keep their place in the run directory (queue store, orchestrator through
+        the queue) and just stop."""
         self.stopping = True
         if self.job == "trainer" and self.children:
             (self.run_dir / CHECKPOINT_REQUEST).touch()

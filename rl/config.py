@@ -414,6 +414,12 @@ class RunConfig:
     step of a run; `cancel` cancels a Slurm run's jobs and records why."""
     run_dir: str | None = None
     """For action=status/cancel: the run directory; None: the newest run named `name`."""
+    resume: str | None = None
+    """Continue the interrupted run in this directory, with the config it was started with."""
+    max_restarts: int = 3
+    """Times each role is restarted after it dies (the queue from its store, the orchestrator
+    from the queue, the trainer from its checkpoint, inference with the newest weights) before
+    the run stops with an error naming it; 0 stops the run at the first death."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Inference role settings."""
     queue: QueueConfig = field(default_factory=QueueConfig)

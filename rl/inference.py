@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from rl.config import Backend
 from rl.http import bearer_guard
-from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer
+from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer, newest_version
 from rl.runtime import (
     listen_socket,
     load_run_config,
@@ -445,6 +445,9 @@ def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
     device = "cuda" if cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
     engine = Engine(model, load_tokenizer(path), cfg, logger)
+    if (newest := newest_version(run_dir / "weights")) >= 0:
+        # A restarted server: back on the newest policy before it answers anything.
+        engine.submit(LoadJob(run_dir / "weights" / f"step_{newest}", newest))
     max_len = cfg.model.inference.max_model_len or cfg.model.context_length
     app = build_app(engine, run_token(run_dir), max_len)
     sock = listen_socket(server_host(), cfg.inference.port)

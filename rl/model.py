@@ -140,3 +140,13 @@ def publish_weights(model: Any, tokenizer: Any, target: Path) -> None:
 
 def is_complete(path: Path) -> bool:
     return (path / COMPLETE).exists()
+
+
+def newest_version(weights_dir: Path) -> int:
+    """Highest complete `weights/step_N`, or -1."""
+    versions = [
+        int(p.name.split("_")[1])
+        for p in weights_dir.glob("step_*")
+        if p.name.split("_")[1].isdigit() and is_complete(p)
+    ]
+    return max(versions, default=-1)

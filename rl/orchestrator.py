@@ -9,7 +9,10 @@ the final version.
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,14 +24,17 @@ import httpx
 from rl import wire
 from rl.advantages import ADVANTAGES
 from rl.envs import Environment, Example, make_environment
+from rl.model import newest_version
 from rl.runtime import (
+    PEER_TIMEOUT_S,
+    Peer,
     append_jsonl,
     auth_headers,
     load_run_config,
+    read_address,
     role_args,
     run_token,
     setup_logging,
-    wait_for_address,
 )
 
 MAX_FILL_ROUNDS = 4  # sampling rounds to replace zero-advantage groups before keeping them
@@ -36,15 +42,71 @@ CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them
 
 
 class InferenceClient:
-    """OpenAI-compatible completions plus Relay's admin routes, for one or more servers."""
+    """OpenAI-compatible completions plus Relay's admin routes, for one or more servers.
 
-    def __init__(self, urls: list[str], token: str, model: str) -> None:
-        self.urls = urls
-        self.model = model
+    A server that stops answering is looked up again in the run directory; its requests go to
+    the other servers meanwhile (or wait for it, when it is the only one), and once it answers
+    again it is given the newest published weights before it serves rollouts.
+    """
+
+    def __init__(self, run_dir: Path, names: list[str], token: str, model: str) -> None:
+        self.run_dir, self.model = run_dir, model
+        self.servers = [Peer(run_dir, name) for name in names]
         self.http = httpx.Client(headers=auth_headers(token), timeout=httpx.Timeout(600.0))
+        self.version = -1  # what every server should hold
+        self.stale = [False] * len(names)  # missed a weight load while down
+        self.locks = [threading.Lock() for _ in names]
+        self.log = logging.getLogger("orchestrator")
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    def _post(self, i: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self.http.post(f"{self.servers[i].url}{route}", json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def _revive(self, i: int) -> bool:
+        """Whether server i answers with the current weights (after reloading them)."""
+        server = self.servers[i]
+        with self.locks[i]:
+            server.url = read_address(self.run_dir, server.name) or server.url
+            try:
+                held = self.http.get(f"{server.url}/admin/version", timeout=5.0)
+                held.raise_for_status()
+                if held.json()["policy_version"] < self.version or self.stale[i]:
+                    newest = newest_version(self.run_dir / "weights")
+                    path = self.run_dir / "weights" / f"step_{newest}"
+                    self._post(i, "/admin/load_weights", {"path": str(path), "version": newest})
+                    self.log.info("%s is back: loaded version %d into it", server.name, newest)
+                self.stale[i] = False
+                return True
+            except httpx.TransportError:
+                return False
+
+    def call(self, i: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to server i, or to another one while i is down; waits (bounded) when none
+        answers."""
+        order = [i, *(j for j in range(len(self.servers)) if j != i)]
+        deadline = time.monotonic() + PEER_TIMEOUT_S
+        while True:
+            for j in order:
+                try:
+                    return self._post(j, route, body)
+                except httpx.TransportError as err:
+                    self.log.warning("%s unreachable (%r)", self.servers[j].name, err)
+                    if self._revive(j):
+                        try:
+                            return self._post(j, route, body)
+                        except httpx.TransportError:
+                            pass
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no inference server answered for {PEER_TIMEOUT_S:.0f} s")
+            time.sleep(1.0)
 
     def complete(
-        self, url: str, prompts: list[str], n: int, max_tokens: int, temperature: float
+        self, i: int, prompts: list[str], n: int, max_tokens: int, temperature: float
     ) -> dict[str, Any]:
         body = {
             "model": self.model,
@@ -54,22 +116,18 @@ class InferenceClient:
             "temperature": temperature,
             "logprobs": 1,
         }
-        response = self.http.post(f"{url}/v1/completions", json=body)
-        response.raise_for_status()
-        return response.json()
+        return self.call(i, "/v1/completions", body)
 
     def complete_all(
         self, prompts: list[str], n: int, max_tokens: int, temperature: float
     ) -> list[dict[str, Any]]:
         """Choices for every prompt (prompt-major), spread as concurrent requests."""
-        chunks = max(1, len(self.urls) * CHUNKS_PER_REPLICA)
+        chunks = max(1, len(self.servers) * CHUNKS_PER_REPLICA)
         size = max(1, -(-len(prompts) // chunks))
         parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
         with ThreadPoolExecutor(len(parts)) as pool:
             futures = [
-                pool.submit(
-                    self.complete, self.urls[i % len(self.urls)], part, n, max_tokens, temperature
-                )
+                pool.submit(self.complete, i % len(self.servers), part, n, max_tokens, temperature)
                 for i, part in enumerate(parts)
             ]
             responses = [f.result() for f in futures]
@@ -85,11 +143,20 @@ class InferenceClient:
         return choices
 
     def load_weights(self, path: Path, version: int) -> None:
-        for url in self.urls:
-            response = self.http.post(
-                f"{url}/admin/load_weights", json={"path": str(path), "version": version}
-            )
-            response.raise_for_status()
+        """Load `path` into every server that answers; one that is down gets the newest
+        weights when it is back."""
+        self.version = version
+        for i, server in enumerate(self.servers):
+            with self.locks[i]:
+                try:
+                    self._post(i, "/admin/load_weights", {"path": str(path), "version": version})
+                except httpx.TransportError as err:
+                    self.log.warning("%s missed version %d (%r)", server.name, version, err)
+                    self.stale[i] = True
+        if all(self.stale) and not any(self._revive(i) for i in range(len(self.servers))):
+            # No server took the weights: wait for one, so that batches keep their version.
+            self.call(0, "/admin/load_weights", {"path": str(path), "version": version})
+            self.stale[0] = False
 
 
 def score_group(
@@ -132,14 +199,14 @@ def no_signal(group: dict[str, Any]) -> bool:
     return all(abs(s["advantage"]) < 1e-9 for s in group["samples"])
 
 
-def newest_version(weights_dir: Path) -> int:
-    """Highest complete `weights/step_N`, or -1."""
-    from rl.model import is_complete
-
+def last_eval(metrics: Path) -> int:
+    """The newest policy version evaluated in `metrics` (-1 when none)."""
+    if not metrics.exists():
+        return -1
     versions = [
-        int(p.name.split("_")[1])
-        for p in weights_dir.glob("step_*")
-        if p.name.split("_")[1].isdigit() and is_complete(p)
+        record["step"]
+        for record in map(json.loads, metrics.read_text().splitlines())
+        if "eval/exact_match" in record
     ]
     return max(versions, default=-1)
 
@@ -150,17 +217,13 @@ class Orchestrator:
         self.cfg = cfg = load_run_config(run_dir)
         self.log = setup_logging("orchestrator")
         self.env: Environment = make_environment(cfg.environment)
-        self.rng = random.Random(cfg.seed)
         token = run_token(run_dir)
-        self.queue_url = wait_for_address(run_dir, "queue")
-        urls = [
-            wait_for_address(run_dir, f"inference-{i}")
-            for i in range(cfg.parallel.inference.replicas)
-        ]
-        self.inference = InferenceClient(urls, token, cfg.model.name)
-        self.queue = httpx.Client(headers=auth_headers(token), timeout=60.0)
+        self.queue = Peer(run_dir, "queue")
+        names = [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
+        self.inference = InferenceClient(run_dir, names, token, cfg.model.name)
+        self.http = httpx.Client(headers=auth_headers(token), timeout=60.0)
         self.version = -1
-        self.last_eval = -1
+        self.last_eval = last_eval(run_dir / "metrics.jsonl")
         self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
         (run_dir / "rollouts").mkdir(exist_ok=True)
 
@@ -212,11 +275,13 @@ class Orchestrator:
         """Generate, score and push batch `step`: prompts_per_step groups with signal."""
         env_cfg, algo = self.cfg.environment, self.cfg.algorithm
         want, n = env_cfg.prompts_per_step, env_cfg.group_size
+        # Each batch draws from its own seeded stream: a restarted orchestrator draws the same.
+        rng = random.Random(self.cfg.seed * 1_000_003 + step)
         kept: list[tuple[Example, list[dict[str, Any]], dict[str, Any]]] = []
         filtered, versions = 0, set()
         t0 = time.monotonic()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
-            examples = self.rng.sample(self.env.train_examples(), want - len(kept))
+            examples = rng.sample(self.env.train_examples(), want - len(kept))
             choices = self.inference.complete_all(
                 [e.prompt for e in examples], n, env_cfg.max_tokens, algo.temperature
             )
@@ -236,7 +301,7 @@ class Orchestrator:
         gen_s = time.monotonic() - t0
         groups = [g for _, _, g in kept]
         groups[0]["samples"][0]["filtered_groups"] = filtered
-        self.push(groups)
+        self.push(groups, step)
         self.save_rollouts(step, *kept[0])
         self.log.info(
             "batch %d generated with version %s in %.2f s (%d groups, %d filtered, "
@@ -250,11 +315,15 @@ class Orchestrator:
             t0 + gen_s,
         )
 
-    def push(self, groups: list[dict[str, Any]]) -> None:
-        """Push a batch's groups in one request; wait and retry while the queue is full."""
+    def push(self, groups: list[dict[str, Any]], step: int) -> None:
+        """Push batch `step` in one request; wait and retry while the queue is full. The queue
+        ignores a batch it already holds, so a push retried after a lost answer is stored once."""
         while True:
-            response = self.queue.post(
-                f"{self.queue_url}/push",
+            response = self.queue.request(
+                self.http,
+                "POST",
+                "/push",
+                params={"batch": step},
                 content=wire.encode(groups),
                 headers={"Content-Type": wire.CONTENT_TYPE},
             )
@@ -278,10 +347,19 @@ class Orchestrator:
             }
             append_jsonl(self.run_dir / "rollouts" / "samples.jsonl", record)
 
+    def next_batch(self) -> int:
+        """The first batch the queue does not hold: where a restarted orchestrator resumes."""
+        response = self.queue.request(self.http, "GET", "/stats")
+        response.raise_for_status()
+        return int(response.json()["next_batch"])
+
     def run(self) -> None:
         cfg = self.cfg
+        first = self.next_batch()
+        if first:
+            self.log.info("resuming: the queue holds batches 0..%d", first - 1)
         self.wait_for_version(0)
-        for step in range(cfg.max_steps):
+        for step in range(first, cfg.max_steps):
             self.wait_for_version(step - cfg.algorithm.async_level)
             self.generate(step)
         self.wait_for_version(cfg.max_steps)

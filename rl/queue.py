@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS groups (
     step INTEGER
 );
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state, id);
+CREATE TABLE IF NOT EXISTS batches (batch INTEGER PRIMARY KEY);
 """
 
 
@@ -47,8 +48,9 @@ class Store:
         self.db.executescript(SCHEMA)
         self.lock = threading.Lock()
 
-    def push(self, groups: list[dict[str, Any]]) -> list[int]:
-        """Store groups in one transaction (one fsync); returns their ids."""
+    def push(self, groups: list[dict[str, Any]], batch: int | None = None) -> list[int] | None:
+        """Store groups in one transaction (one fsync); returns their ids, or None when
+        `batch` was pushed before (a retried push whose answer was lost stores nothing)."""
         rows = [
             (
                 g["min_version"],
@@ -60,6 +62,12 @@ class Store:
         ]
         with self.lock:
             self.db.execute("BEGIN IMMEDIATE")
+            if batch is not None:
+                seen = self.db.execute("SELECT 1 FROM batches WHERE batch=?", (batch,)).fetchone()
+                if seen:
+                    self.db.execute("COMMIT")
+                    return None
+                self.db.execute("INSERT INTO batches (batch) VALUES (?)", (batch,))
             ids = [
                 int(
                     self.db.execute(
@@ -73,6 +81,12 @@ class Store:
             ]
             self.db.execute("COMMIT")
             return ids
+
+    def next_batch(self) -> int:
+        """One past the highest batch number pushed (0 before any)."""
+        with self.lock:
+            row = self.db.execute("SELECT MAX(batch) FROM batches").fetchone()
+            return 0 if row[0] is None else int(row[0]) + 1
 
     def count(self, state: str) -> int:
         with self.lock:
@@ -236,7 +250,7 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
         openapi_extra=PUSH_BODY,
         responses={413: {}, 415: {}, 422: {}, 429: {}},
     )
-    async def push(request: Request) -> Response:
+    async def push(request: Request, batch: int | None = None) -> Response:
         body = await _read_limited(request, max_request_bytes)
         try:
             groups = _parse_groups(body, request.headers.get("content-type", ""))
@@ -246,7 +260,10 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
         if store.count("ready") + len(groups) > capacity:
             stats["rejected_full"] += 1
             return Response(status_code=429, headers={"Retry-After": "0.2"})
-        ids = await asyncio.to_thread(store.push, groups)
+        ids = await asyncio.to_thread(store.push, groups, batch)
+        if ids is None:
+            body = json.dumps({"ids": [], "duplicate": True})
+            return Response(body, media_type="application/json")
         stats["accepted"] += len(groups)
         ready.set()
         return Response(json.dumps({"ids": ids}), media_type="application/json")
@@ -316,6 +333,7 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
             "assigned": store.count("assigned"),
             "dropped": store.count("dropped"),
             "last_step": store.last_step(),
+            "next_batch": store.next_batch(),
             "capacity": capacity,
             "steps": {str(k): step_timings[k] for k in recent},
             **stats,

@@ -7,8 +7,11 @@ even for one process, so the same code path serves a larger world.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +28,15 @@ from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer,
 from rl.runtime import (
     CHECKPOINT_REQUEST,
     CHECKPOINTED,
+    Peer,
     append_jsonl,
     auth_headers,
+    die_with_parent,
+    drop_records,
     load_run_config,
     role_args,
     run_token,
     setup_logging,
-    wait_for_address,
 )
 
 
@@ -137,7 +142,7 @@ class Trainer:
                 self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
-    def fetch(self, http: httpx.Client, queue_url: str, step: int) -> dict[str, Any]:
+    def fetch(self, http: httpx.Client, queue: Peer, step: int) -> dict[str, Any]:
         """This rank's shard of step `step` (long-polls until the queue has assembled it)."""
         params = {
             "step": step,
@@ -147,8 +152,8 @@ class Trainer:
             "micro_tokens": self.cfg.trainer.micro_batch_tokens,
         }
         while True:
-            response = http.get(
-                f"{queue_url}/batch", params=params, headers={"Accept": wire.CONTENT_TYPE}
+            response = queue.request(
+                http, "GET", "/batch", params=params, headers={"Accept": wire.CONTENT_TYPE}
             )
             if response.status_code == 200:
                 groups, meta = wire.decode(response.content)
@@ -269,8 +274,18 @@ class Trainer:
         if self.cfg.algorithm.kl_coef > 0 and reference.exists():
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             self.reference.load_state_dict(torch.load(reference))
-        self.log.info("resumed from %s: continuing at step %d", path, state["step"] + 1)
-        return int(state["step"])
+        step = int(state["step"])
+        if self.rank == 0:
+            # Steps after the checkpoint are trained again from the same batches: their first
+            # records go, so every step is recorded once.
+            dropped = drop_records(
+                self.run_dir / "metrics.jsonl",
+                lambda r: "reward/mean" in r and r["step"] > step,
+            )
+            if dropped:
+                self.log.info("dropped the records of %d steps after the checkpoint", dropped)
+        self.log.info("resumed from %s: continuing at step %d", path, step + 1)
+        return step
 
     def start(self) -> int:
         """Warm up and publish version 0, or resume; returns the first RL step to run."""
@@ -300,7 +315,7 @@ class Trainer:
         cfg = self.cfg
         first = self.start()
         http = httpx.Client(headers=auth_headers(run_token(self.run_dir)), timeout=120.0)
-        queue_url = wait_for_address(self.run_dir, "queue")
+        queue = Peer(self.run_dir, "queue")
         for step in range(first, cfg.max_steps):
             if self.stop_requested():
                 self.checkpoint(step)
@@ -309,16 +324,16 @@ class Trainer:
                 self.log.info("checkpointed at step %d and stopped, as asked", step)
                 return
             t0 = time.monotonic()
-            batch = self.fetch(http, queue_url, step)
+            batch = self.fetch(http, queue, step)
             t_fetch = time.monotonic() - t0
             samples = batch["samples"]
             stats = self.train_step(samples, batch["micro_batches"])
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
+            if self.rank == 0:  # recorded before the checkpoint that covers it
+                self.record(step, batch, samples, stats, elapsed, t_fetch)
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
                 self.checkpoint(step + 1)
-            if self.rank == 0:
-                self.record(step, batch, samples, stats, elapsed, t_fetch)
         self.checkpoint(cfg.max_steps)
         self.log.info("done: %d steps", cfg.max_steps)
 
@@ -373,6 +388,12 @@ class Trainer:
 
 def main() -> None:
     args = role_args("trainer")
+    # torchrun starts each rank in a session of its own: a rank must not outlive torchrun
+    # (killed outright, it could not stop them, and a restarted one would start more).
+    parent = os.getppid()
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit("trainer: torchrun exited before this rank started")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     try:

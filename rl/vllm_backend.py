@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 
 from rl.http import bearer_guard
 from rl.model import ensure_checkpoint, is_complete, load_tokenizer
-from rl.runtime import listen_socket, server_host, write_address
+from rl.runtime import die_with_parent, listen_socket, server_host, write_address
 
 HOST = "127.0.0.1"
 MAX_RESTARTS = 3
@@ -101,10 +101,7 @@ class VllmProcess:
 
 def _terminate_with_parent() -> None:
     """In the child before exec: ask Linux to SIGTERM it when its parent thread exits."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 class VllmFrontend:

@@ -9,7 +9,8 @@ import torch
 
 from rl.advantages import group_mean
 from rl.envs import Example, make_environment
-from rl.orchestrator import newest_version, no_signal, score_group
+from rl.model import newest_version
+from rl.orchestrator import no_signal, score_group
 from rl.trainer import pad_batch, token_logprobs
 from tests.conftest import compose_run
 

@@ -88,6 +88,20 @@ def steps_so_far(run_dir: Path) -> list[int]:
     return train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else []
 
 
+def requeue(job_id: str) -> None:
+    """Send what Slurm sends before the time limit (--signal=USR2@...) and a preemption test
+    sends, and wait until the job is requeued; Slurm then holds it back for a while
+    (BeginTime), so let it start again at once."""
+    slurm.slurm("scancel", "--signal=USR2", job_id)
+    wait_until(
+        lambda: slurm.job_states([job_id])[job_id].state == "PENDING",
+        120,
+        f"job {job_id} to be requeued",
+        poll=0.5,
+    )
+    slurm.slurm("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
 def queued_jobs() -> set[str]:
     return set(slurm.slurm("squeue", "-h", "-o", "%i").split())
 
@@ -125,7 +139,8 @@ def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["job"] == "inference"
     assert f"job inference ({ids['inference']}) ended CANCELLED" in failure["reason"]
-    assert not queued_jobs() & set(ids.values())
+    # Cancelled jobs leave the queue once Slurm has ended their processes.
+    wait_until(lambda: not queued_jobs() & set(ids.values()), 120, "the jobs to leave the queue")
     status = rl(tmp_path, "action=status", f"run_dir={run_dir}")
     assert "ended: job inference" in status.stdout
 
@@ -136,16 +151,7 @@ def test_requeued_trainer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60", "trainer.checkpoint_every=0"))
     ids = slurm.read_jobs(run_dir)
     wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
-    # What Slurm sends before the time limit (--signal=USR2@...), and a preemption test sends.
-    slurm.slurm("scancel", "--signal=USR2", ids["trainer"])
-    # Slurm holds a requeued job back for a while (BeginTime); let it start again at once.
-    wait_until(
-        lambda: slurm.job_states([ids["trainer"]])[ids["trainer"]].state == "PENDING",
-        120,
-        "the trainer job to be requeued",
-        poll=0.5,
-    )
-    slurm.slurm("scontrol", "update", f"JobId={ids['trainer']}", "StartTime=now")
+    requeue(ids["trainer"])
     states = final_states(run_dir)
     assert {s.state for s in states.values()} == {"COMPLETED"}, states
     log = (run_dir / "logs" / "trainer-node0.log").read_text()
@@ -237,7 +243,7 @@ def test_bad_cluster_settings_fail_before_submission(
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert queued_jobs() == before
+    assert not queued_jobs() - before  # nothing new submitted
     assert not (tmp_path / "outputs").exists()
 
 
@@ -249,7 +255,7 @@ def test_dry_run_shows_each_job_and_submits_nothing(tmp_path: Path) -> None:
     for job in ("control", "inference", "trainer"):
         assert f"sbatch {job}: --job-name=reverse_text-tiny-{job} --nodes=1" in result.stdout
     assert "--cpus-per-task=2 --mem=6GB --time=60" in result.stdout
-    assert queued_jobs() == before
+    assert not queued_jobs() - before  # nothing new submitted
     assert not (tmp_path / "outputs").exists()
 
 
@@ -322,14 +328,15 @@ def test_resumed_steps_count_once() -> None:
 
 
 @needs_slurm
-def test_control_job_told_to_stop_ends_the_run_with_the_reason(tmp_path: Path) -> None:
-    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=300"))
+def test_requeued_control_job_resumes_the_queue_and_orchestrator(tmp_path: Path) -> None:
+    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60"))
     ids = slurm.read_jobs(run_dir)
-    wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 300, "the first trainer step")
-    slurm.slurm("scancel", "--signal=USR2", ids["control"])
-    states = final_states(run_dir, timeout=180)
-    assert states["control"].state == "FAILED", states
-    assert {states[j].state.split()[0] for j in ("inference", "trainer")} == {"CANCELLED"}
-    failure = json.loads((run_dir / "failure.json").read_text())
-    assert failure["job"] == "control"
-    assert "only the trainer job resumes after a requeue" in failure["reason"]
+    wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
+    requeue(ids["control"])
+    states = final_states(run_dir)
+    assert {s.state for s in states.values()} == {"COMPLETED"}, states
+    # The queue came back from its store and the orchestrator from the batches it holds.
+    assert (
+        "resuming: the queue holds batches" in (run_dir / "logs" / "orchestrator.log").read_text()
+    )
+    assert train_steps(run_dir) == list(range(1, 61))

@@ -24,6 +24,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
+from launcher.local import group_alive
 from launcher.plan import vllm_args
 from rl.envs import make_environment
 from rl.inference import _encode, generate
@@ -31,7 +32,6 @@ from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weig
 from rl.runtime import auth_headers, wait_for_address
 from rl.trainer import pad_batch, token_logprobs
 from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
-from tests.test_run import group_alive
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
 pytestmark = [

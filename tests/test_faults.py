@@ -1,0 +1,157 @@
+"""Fault tolerance through the real launcher: kill -9 each role once during a short run.
+
+The launcher restarts the role (the queue from its SQLite store, the orchestrator from the
+batches the queue holds, the trainer from its last checkpoint, inference with the newest
+weights), and the run completes with every step trained exactly once and a final eval in the
+range of an undisturbed run. An interrupted run continues with `rl resume=<run dir>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.faults import KillAtStep, trained_steps
+from tests.test_run import assert_no_process_left
+
+pytestmark = pytest.mark.slow
+
+STEPS = 100
+# Checkpoints every 20 steps: a trainer killed at step 30 resumes from step 20 and trains
+# steps 21.. again from the same batches.
+RUN = [f"max_steps={STEPS}", "trainer.checkpoint_every=20", "environment.eval_every=50"]
+KILL_AT = 30
+# Final exact match of a disturbed run against the undisturbed one, on 200 held-out words:
+# seeds and the timing of asynchronous generation already move it by about this much.
+EVAL_RANGE = 0.15
+
+
+def rl(run_dir: Path, cache: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher.cli", f"hydra.run.dir={run_dir}", *RUN, *args]
+
+
+def env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "RELAY_CACHE": str(cache), "WANDB_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("relay_cache")
+
+
+def start(run_dir: Path, cache: Path, *args: str) -> subprocess.Popen[str]:
+    """The run in the background, in its own process group."""
+    return subprocess.Popen(
+        rl(run_dir, cache, *args),
+        cwd=ROOT,
+        env=env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def final_eval(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["eval/exact_match/last"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> float:
+    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
+    out = subprocess.run(
+        rl(run_dir, cache), cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return final_eval(run_dir)
+
+
+@pytest.mark.parametrize("role", ["queue", "inference-0", "orchestrator", "trainer"])
+def test_run_survives_kill_9_of_a_role(
+    tmp_path: Path, cache: Path, undisturbed: float, role: str
+) -> None:
+    run_dir = tmp_path / "run"
+    killer = KillAtStep(run_dir, role, KILL_AT)
+    killer.start()
+    out = subprocess.run(
+        rl(run_dir, cache), cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900
+    )
+    killer.stopped.set()
+    assert killer.killed_pid is not None, "the role was never killed"
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"role {role} exited with code -9: restarting it (1 of 3)" in out.stderr
+    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
+    log = (run_dir / "logs" / f"{role}.log").read_text()
+    assert "--- exited with code -9; restarting ---" in log
+    if role == "trainer":
+        assert "resumed from" in log and "continuing at step 21" in log
+    if role == "orchestrator":
+        assert "resuming: the queue holds batches" in log
+    assert abs(final_eval(run_dir) - undisturbed) <= EVAL_RANGE, (final_eval(run_dir), undisturbed)
+    assert_no_process_left(run_dir)
+
+
+def test_a_role_that_keeps_dying_stops_the_run(tmp_path: Path, cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start(run_dir, cache, "max_restarts=1")
+    try:
+        first = KillAtStep(run_dir, "queue", 5)
+        first.run()  # in this thread: returns once it has killed
+        assert first.killed_pid is not None
+        deadline = time.monotonic() + 120
+        while (again := json.loads((run_dir / "pids.json").read_text())["queue"]) == (
+            first.killed_pid
+        ):
+            assert time.monotonic() < deadline, "the queue was not restarted"
+            time.sleep(0.1)
+        os.killpg(again, signal.SIGKILL)  # its one restart is spent
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 1
+    assert "role queue exited with code -9 after 1 restart(s)" in stderr
+    assert_no_process_left(run_dir)
+
+
+def test_interrupted_run_resumes_with_continuous_history(tmp_path: Path, cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = start(run_dir, cache)
+    deadline = time.monotonic() + 600
+    while not trained_steps(run_dir) or max(trained_steps(run_dir)) < 45:
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)  # Ctrl-C
+    first.communicate(timeout=60)
+    assert first.returncode == 130
+    assert not (run_dir / "summary.json").exists()
+    # Resuming takes no other override: the run continues with the config it started with.
+    refused = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", f"resume={run_dir}", "max_steps=5"],
+        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "takes no other overrides" in refused.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", f"resume={run_dir}"],
+        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"run directory: {run_dir}" in out.stdout
+    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
+    evals = [
+        r["step"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "eval/exact_match" in r
+    ]
+    assert evals == [0, 50, 100]  # each version evaluated once, across both launches
+    assert (run_dir / "summary.json").exists()
+    assert_no_process_left(run_dir)
