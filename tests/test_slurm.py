@@ -146,29 +146,40 @@ def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
 
 
 @needs_slurm
-def test_requeued_trainer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
+    """The trainer job, then the control job, are told to stop and requeued in one run."""
     # No periodic checkpoints: the one the trainer resumes from is the one it wrote when told.
     run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60", "trainer.checkpoint_every=0"))
     ids = slurm.read_jobs(run_dir)
     wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
     requeue(ids["trainer"])
+    log_path = run_dir / "logs" / "trainer-node0.log"
+    wait_until(lambda: "continuing at step" in log_path.read_text(), 300, "the trainer to resume")
+    wait_until(lambda: len(steps_so_far(run_dir)) >= 30, 300, "30 trainer steps")
+    requeue(ids["control"])
     states = final_states(run_dir)
     assert {s.state for s in states.values()} == {"COMPLETED"}, states
-    log = (run_dir / "logs" / "trainer-node0.log").read_text()
+    log = log_path.read_text()
     stopped = int(log.split("checkpointed at step ")[1].split()[0])
-    assert 10 <= stopped < 60
+    assert 10 <= stopped < 30
     assert f"resumed from {run_dir}/checkpoints/step_{stopped}.pt" in log
     assert f"continuing at step {stopped + 1}" in log
-    submitit_log = next((run_dir / "slurm" / "trainer").glob("*_0_log.out")).read_text()
-    assert f"Requeued job {ids['trainer']}" in submitit_log
-    # No step lost and none repeated across the requeue.
+    for job in ("trainer", "control"):
+        submitit_log = next((run_dir / "slurm" / job).glob("*_0_log.out")).read_text()
+        assert f"Requeued job {ids[job]}" in submitit_log
+    # The queue came back from its store and the orchestrator from the batches it holds.
+    orchestrator = (run_dir / "logs" / "orchestrator.log").read_text()
+    assert "resuming: the queue holds batches" in orchestrator
+    # No step lost and none repeated across either requeue.
     assert train_steps(run_dir) == list(range(1, 61))
     assert (run_dir / "complete").exists()
 
 
 @needs_slurm
 def test_sweep_submits_one_complete_run_per_point(tmp_path: Path) -> None:
-    result = rl(tmp_path, "-m", *CLUSTER, "max_steps=10", "algorithm.lr=1e-3,3e-4")
+    result = rl(
+        tmp_path, "-m", *CLUSTER, "max_steps=10", "algorithm.lr=1e-3,3e-4", "warmup.steps=20"
+    )
     assert result.returncode == 0, result.stderr
     runs = [
         Path(x.removeprefix("run directory: "))
@@ -325,18 +336,3 @@ def test_resumed_steps_count_once() -> None:
     train = sorted((r["step"], r["reward/mean"]) for r in records if "reward/mean" in r)
     assert train == [(1, 0.1), (2, 0.25), (3, 0.3)]
     assert [r["step"] for r in records if "eval/exact_match" in r] == [0]
-
-
-@needs_slurm
-def test_requeued_control_job_resumes_the_queue_and_orchestrator(tmp_path: Path) -> None:
-    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60"))
-    ids = slurm.read_jobs(run_dir)
-    wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
-    requeue(ids["control"])
-    states = final_states(run_dir)
-    assert {s.state for s in states.values()} == {"COMPLETED"}, states
-    # The queue came back from its store and the orchestrator from the batches it holds.
-    assert (
-        "resuming: the queue holds batches" in (run_dir / "logs" / "orchestrator.log").read_text()
-    )
-    assert train_steps(run_dir) == list(range(1, 61))
