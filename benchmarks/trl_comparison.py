@@ -43,7 +43,7 @@ from rl.config import register
 from rl.envs import Environment, Example, make_environment
 from rl.inference import generate
 from rl.model import COMPLETE, ensure_checkpoint, load_model, load_tokenizer
-from rl.trainer import pad_batch, token_logprobs
+from rl.trainer import sft_batch, token_logprobs
 
 ROOT = Path(__file__).resolve().parent.parent
 RECENT = 10  # train steps the "last reward" column averages over
@@ -67,16 +67,9 @@ def warm_up(cfg: DictConfig, target: Path) -> Path:
     examples = make_environment(cfg.environment).train_examples()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup.lr)
     picker = torch.Generator().manual_seed(cfg.seed + 1)
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     for _ in range(cfg.warmup.steps):
         picks = torch.randint(len(examples), (cfg.warmup.batch_size,), generator=picker).tolist()
-        sequences, starts = [], []
-        for i in picks:
-            prompt = [bos, *tokenizer.encode(examples[i].prompt, add_special_tokens=False)]
-            answer = tokenizer.encode(examples[i].answer, add_special_tokens=False) + [eos]
-            sequences.append(prompt + answer)
-            starts.append(len(prompt))
-        ids, attention, completion = pad_batch(sequences, starts, tokenizer.pad_token_id)
+        ids, attention, completion = sft_batch(tokenizer, [examples[i] for i in picks])
         logp, _ = token_logprobs(model, ids, attention)
         loss = -(logp * completion).sum() / completion.sum()
         optimizer.zero_grad()

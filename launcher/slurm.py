@@ -366,21 +366,13 @@ def cancel_run(run_dir: Path, reason: str, job: str | None = None) -> None:
 
 def latest_records(run_dir: Path) -> tuple[dict | None, dict | None]:
     """The newest train record and the newest eval record in metrics.jsonl."""
-    train = evaluation = None
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return None, None
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "eval/exact_match" in record:
-            evaluation = record
-        elif "reward/mean" in record:
-            train = record
-    return train, evaluation
+    from launcher.report import read_records
+
+    records = read_records(run_dir / "metrics.jsonl")
+    train = [r for r in records if "reward/mean" in r]
+    evals = [r for r in records if "eval/exact_match" in r]
+    newest = lambda rs: max(rs, key=lambda r: r["step"]) if rs else None  # noqa: E731
+    return newest(train), newest(evals)
 
 
 def format_status(run_dir: Path) -> str:

@@ -65,6 +65,23 @@ def pad_batch(
     return ids, attention, completion
 
 
+def sft_batch(
+    tokenizer: Any, examples: list[Example]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Supervised warm-up rows: BOS + prompt + answer + EOS, with the answer (and EOS) masked
+    in as the tokens to learn."""
+    sequences, starts = [], []
+    for example in examples:
+        prompt = [
+            tokenizer.bos_token_id,
+            *tokenizer.encode(example.prompt, add_special_tokens=False),
+        ]
+        answer = tokenizer.encode(example.answer, add_special_tokens=False)
+        sequences.append(prompt + answer + [tokenizer.eos_token_id])
+        starts.append(len(prompt))
+    return pad_batch(sequences, starts, tokenizer.pad_token_id)
+
+
 def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[Any, Any]:
     """Log-probability of each token given its prefix (position t scores token t), and the
     entropy of the predicting distribution; position 0 gets 0."""
@@ -110,12 +127,6 @@ class Trainer:
                 dist.all_reduce(p.grad)
                 p.grad /= self.world
 
-    def encode_sft(self, example: Example) -> tuple[list[int], int]:
-        tok = self.tokenizer
-        prompt = [tok.bos_token_id, *tok.encode(example.prompt, add_special_tokens=False)]
-        answer = tok.encode(example.answer, add_special_tokens=False) + [tok.eos_token_id]
-        return prompt + answer, len(prompt)
-
     def warmup(self) -> None:
         """Supervised warm-up: cross-entropy on the answers of training examples."""
         cfg = self.cfg.warmup
@@ -128,10 +139,7 @@ class Trainer:
         for step in range(cfg.steps):
             picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
             mine = picks[self.rank :: self.world]
-            encoded = [self.encode_sft(examples[i]) for i in mine]
-            ids, attention, completion = pad_batch(
-                [e[0] for e in encoded], [e[1] for e in encoded], self.tokenizer.pad_token_id
-            )
+            ids, attention, completion = sft_batch(self.tokenizer, [examples[i] for i in mine])
             logp, _ = token_logprobs(self.model, ids, attention)
             loss = -(logp * completion).sum() / completion.sum()
             optimizer.zero_grad()
