@@ -9,10 +9,10 @@ Settings (`environment.args`): `min_len`, `max_len` (word lengths, inclusive).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from rl.envs import Example
+from rl.envs import Example, check_args
 
 
 def lcs_length(a: str, b: str) -> int:
@@ -44,17 +44,12 @@ class ReverseTextArgs:
 
 
 def parse_args(args: dict[str, Any]) -> ReverseTextArgs:
-    valid = {f.name for f in fields(ReverseTextArgs)}
-    unknown = sorted(set(args) - valid)
-    if unknown:
-        raise ValueError(
-            f"environment.args.{unknown[0]}: unknown; valid: {', '.join(sorted(valid))}"
-        )
-    return ReverseTextArgs(**{k: int(v) for k, v in args.items()})
+    return check_args(args, ReverseTextArgs())
 
 
 class ReverseText:
     name = "reverse_text"
+    max_turns = 1
 
     def __init__(self, env_cfg: Any) -> None:
         from english_words import get_english_words_set
