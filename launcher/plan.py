@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rl.config import Backend, ClusterKind
+from rl.envs import REGISTRY as ENVIRONMENTS
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
 # fp32 gradients (4 B) and two AdamW moments (8 B).
@@ -27,7 +28,6 @@ INFERENCE_WEIGHT_FRACTION = 0.8
 MIN_TOKENS_PER_CP_RANK = 64
 # KV cache a vLLM CPU server reserves (the tiny models served on CPU need far less).
 CPU_KV_CACHE_BYTES = 512 * 2**20
-ENVIRONMENTS = ("reverse_text",)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 

@@ -27,7 +27,14 @@ from pydantic import BaseModel
 
 from rl.config import Backend
 from rl.http import bearer_guard
-from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer, newest_version
+from rl.model import (
+    encode_prompt,
+    ensure_checkpoint,
+    is_complete,
+    load_model,
+    load_tokenizer,
+    newest_version,
+)
 from rl.runtime import (
     listen_socket,
     load_run_config,
@@ -300,7 +307,8 @@ class CompletionRequest(BaseModel):
     """The subset of OpenAI's completions request the orchestrator uses."""
 
     model: str = ""
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """Text, texts, token ids, or a list of token-id lists (multi-turn rollouts send ids)."""
     max_tokens: int = 16
     temperature: float = 1.0
     n: int = 1
@@ -314,10 +322,13 @@ class LoadWeightsRequest(BaseModel):
     version: int
 
 
-def _encode(tokenizer: Any, prompt: str) -> list[int]:
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None else []) + ids
+def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
+    """The request's prompts as token-id lists; text is encoded as `encode_prompt` does."""
+    if isinstance(prompt, str):
+        return [encode_prompt(tokenizer, prompt)]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompt]
 
 
 def check_request(
@@ -414,8 +425,7 @@ def build_app(engine: Engine, token: str, max_len: int) -> Any:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest) -> dict:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        ids = [_encode(engine.tokenizer, p) for p in prompts]
+        ids = prompt_ids(engine.tokenizer, body.prompt)
         if reason := check_request(body, ids, max_len, engine.max_batch_size):
             raise HTTPException(400, reason)
         job = CompletionJob(ids, body.n, body.max_tokens, body.temperature, body.seed)

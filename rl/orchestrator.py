@@ -24,7 +24,7 @@ import httpx
 from rl import wire
 from rl.advantages import ADVANTAGES
 from rl.envs import Environment, Example, make_environment
-from rl.model import newest_version
+from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer, newest_version
 from rl.runtime import (
     PEER_TIMEOUT_S,
     Peer,
@@ -106,7 +106,7 @@ class InferenceClient:
             time.sleep(1.0)
 
     def complete(
-        self, i: int, prompts: list[str], n: int, max_tokens: int, temperature: float
+        self, i: int, prompts: list[Any], n: int, max_tokens: int, temperature: float
     ) -> dict[str, Any]:
         body = {
             "model": self.model,
@@ -119,9 +119,10 @@ class InferenceClient:
         return self.call(i, "/v1/completions", body)
 
     def complete_all(
-        self, prompts: list[str], n: int, max_tokens: int, temperature: float
+        self, prompts: list[Any], n: int, max_tokens: int, temperature: float
     ) -> list[dict[str, Any]]:
-        """Choices for every prompt (prompt-major), spread as concurrent requests."""
+        """Choices for every prompt (texts or token-id lists; prompt-major), spread as
+        concurrent requests."""
         chunks = max(1, len(self.servers) * CHUNKS_PER_REPLICA)
         size = max(1, -(-len(prompts) // chunks))
         parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -171,7 +172,7 @@ def score_group(
 
     With a length penalty, each reward loses `length_penalty x tokens / max_tokens` before
     advantages are taken (the logged reward stays the environment's)."""
-    rewards = [env.reward(example, c["text"]) for c in choices]
+    rewards = [env.reward(example, completion(c)) for c in choices]
     shaped = [
         r - length_penalty * len(c["token_ids"]) / max_tokens
         for r, c in zip(rewards, choices, strict=True)
@@ -188,10 +189,97 @@ def score_group(
             "advantage": a,
             "min_version": v,
             "max_version": w,
+            **({"env_spans": c["env_spans"]} if c.get("env_spans") else {}),
         }
         for c, r, a, v, w in zip(choices, rewards, advantages, versions, newest, strict=True)
     ]
     return {"samples": samples, "min_version": min(versions), "max_version": max(newest)}
+
+
+def completion(choice: dict[str, Any]) -> Any:
+    """What the environment scores: the text, or a multi-turn episode's list of model turns."""
+    return choice["turns"] if "turns" in choice else choice["text"]
+
+
+class Episode:
+    """One multi-turn episode as one sample: the first prompt, then model turns and the
+    environment's replies as one completion; `env_spans` marks the replies (no loss there)."""
+
+    def __init__(self, example: Example, prompt_ids: list[int]) -> None:
+        self.example = example
+        self.prompt_ids = prompt_ids
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.env_spans: list[list[int]] = []
+        self.turns: list[str] = []
+        self.text = ""
+        self.versions: list[int] = []
+        self.done = False
+
+    def add_model_turn(self, choice: dict[str, Any]) -> None:
+        self.ids += choice["token_ids"]
+        self.logprobs += choice["logprobs"]["token_logprobs"]
+        self.turns.append(choice["text"])
+        self.text += choice["text"]
+        self.versions += [choice["policy_version"], choice["policy_version_max"]]
+
+    def add_env_turn(self, text: str, ids: list[int]) -> None:
+        self.env_spans.append([len(self.ids), len(self.ids) + len(ids)])
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.text += text
+
+    def as_choice(self) -> dict[str, Any]:
+        """The episode in the shape of a completion choice, for `score_group`."""
+        return {
+            "prompt_token_ids": self.prompt_ids,
+            "token_ids": self.ids,
+            "logprobs": {"token_logprobs": self.logprobs},
+            "text": self.text,
+            "turns": self.turns,
+            "env_spans": self.env_spans,
+            "policy_version": min(self.versions),
+            "policy_version_max": max(self.versions),
+        }
+
+
+def run_episodes(
+    client: InferenceClient,
+    env: Environment,
+    tokenizer: Any,
+    examples: list[Example],
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    max_len: int,
+) -> list[dict[str, Any]]:
+    """`n` multi-turn episodes per example (example-major), as completion choices. Each round
+    sends every open episode's token ids in one batch of requests; an episode ends when the
+    environment says so, after `env.max_turns` model turns, or when the context would overflow."""
+    episodes = [
+        Episode(example, encode_prompt(tokenizer, example.prompt))
+        for example in examples
+        for _ in range(n)
+    ]
+    for turn in range(env.max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        prompts = [e.prompt_ids + e.ids for e in active]
+        for episode, choice in zip(
+            active, client.complete_all(prompts, 1, max_tokens, temperature), strict=True
+        ):
+            episode.add_model_turn(choice)
+            reply = env.respond(episode.example, episode.turns)  # type: ignore[attr-defined]
+            if reply is None or turn == env.max_turns - 1:
+                episode.done = True
+                continue
+            reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+            if len(episode.prompt_ids) + len(episode.ids) + len(reply_ids) + max_tokens > max_len:
+                episode.done = True
+                continue
+            episode.add_env_turn(reply, reply_ids)
+    return [e.as_choice() for e in episodes]
 
 
 def no_signal(group: dict[str, Any]) -> bool:
@@ -225,7 +313,23 @@ class Orchestrator:
         self.version = -1
         self.last_eval = last_eval(run_dir / "metrics.jsonl")
         self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
+        self.tokenizer = None
+        if self.env.max_turns > 1:  # multi-turn rollouts send token ids
+            self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
+        self.max_len = cfg.model.inference.max_model_len or cfg.model.context_length
         (run_dir / "rollouts").mkdir(exist_ok=True)
+
+    def rollouts(self, examples: list[Example], n: int, temperature: float) -> list[dict[str, Any]]:
+        """`n` completion choices per example (example-major), single- or multi-turn."""
+        max_tokens = self.cfg.environment.max_tokens
+        if self.tokenizer is None:
+            return self.inference.complete_all(
+                [e.prompt for e in examples], n, max_tokens, temperature
+            )
+        return run_episodes(
+            self.inference, self.env, self.tokenizer, examples, n, max_tokens, temperature,
+            self.max_len,
+        )  # fmt: skip
 
     def wait_for_version(self, minimum: int) -> None:
         """Block until weights >= minimum are published, then load the newest into inference."""
@@ -250,11 +354,10 @@ class Orchestrator:
     def evaluate(self) -> None:
         examples = self.env.eval_examples()
         t0 = time.monotonic()
-        choices = self.inference.complete_all(
-            [e.prompt for e in examples], 1, self.cfg.environment.max_tokens, 0.0
-        )
-        rewards = [self.env.reward(e, c["text"]) for e, c in zip(examples, choices, strict=True)]
-        exact = [self.env.exact_match(e, c["text"]) for e, c in zip(examples, choices, strict=True)]
+        choices = self.rollouts(examples, 1, 0.0)
+        scored = [(e, completion(c)) for e, c in zip(examples, choices, strict=True)]
+        rewards = [self.env.reward(e, c) for e, c in scored]
+        exact = [self.env.exact_match(e, c) for e, c in scored]
         record = {
             "step": self.version,
             "eval/exact_match": sum(exact) / len(exact),
@@ -282,9 +385,7 @@ class Orchestrator:
         t0 = time.monotonic()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
             examples = rng.sample(self.env.train_examples(), want - len(kept))
-            choices = self.inference.complete_all(
-                [e.prompt for e in examples], n, env_cfg.max_tokens, algo.temperature
-            )
+            choices = self.rollouts(examples, n, algo.temperature)
             versions |= {c["policy_version"] for c in choices}
             for i, example in enumerate(examples):
                 mine = choices[i * n : (i + 1) * n]

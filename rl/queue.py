@@ -414,12 +414,30 @@ def _check_group(where: str, group: Any, check_arrays: bool) -> None:
         prompt, completion, logprobs = arrays
         if len(logprobs) != len(completion) or len(completion) == 0:
             raise HTTPException(422, f"{at}: completion_ids empty or unlike logprobs in length")
+        if not _valid_spans(sample.get("env_spans", []), len(completion)):
+            raise HTTPException(
+                422, f"{at}.env_spans must be ordered [begin, end) pairs inside the completion"
+            )
         if check_arrays:
             ids = prompt + completion
             if not all(_is_int(t) and INT32[0] <= t <= INT32[1] for t in ids):
                 raise HTTPException(422, f"{at}: token ids must be 32-bit integers")
             if not all(_is_number(x) for x in logprobs):
                 raise HTTPException(422, f"{at}: logprobs must be finite numbers")
+
+
+def _valid_spans(spans: Any, length: int) -> bool:
+    """Whether `spans` are ordered, disjoint [begin, end) pairs within 0..length."""
+    if not isinstance(spans, list):
+        return False
+    at = 0
+    for span in spans:
+        if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
+            return False
+        if not at <= span[0] < span[1] <= length:
+            return False
+        at = span[1]
+    return True
 
 
 def main() -> None:

@@ -65,6 +65,12 @@ def pad_batch(
     return ids, attention, completion
 
 
+def trained_tokens(sample: dict[str, Any]) -> int:
+    """Completion tokens that carry loss: all but the environment's turns (multi-turn)."""
+    masked = sum(end - begin for begin, end in sample.get("env_spans", ()))
+    return len(sample["completion_ids"]) - masked
+
+
 def sft_batch(
     tokenizer: Any, examples: list[Example]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,9 +177,7 @@ class Trainer:
 
     def batch_totals(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         """Whole-batch denominators (over every rank) for the loss normalisation."""
-        counts = torch.tensor(
-            [float(sum(len(s["completion_ids"]) for s in samples)), float(len(samples))]
-        )
+        counts = torch.tensor([float(sum(map(trained_tokens, samples))), float(len(samples))])
         if self.world > 1:
             dist.all_reduce(counts)
         tokens, sequences = counts.tolist()
@@ -193,6 +197,8 @@ class Trainer:
         for row, s in enumerate(part):
             start = len(s["prompt_ids"])
             inference_logp[row, start : start + len(s["logprobs"])] = torch.as_tensor(s["logprobs"])
+            for begin, end in s.get("env_spans", ()):  # an environment's turns carry no loss
+                completion[row, start + begin : start + end] = False
         return {
             "ids": ids,
             "attention": attention,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -78,3 +82,29 @@ def stop_role(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: f
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+TOKEN = "test-token"
+
+
+@contextlib.contextmanager
+def embedded_server(tmp_path_factory: pytest.TempPathFactory, *overrides: str) -> Iterator[Any]:
+    """A real `python -m rl.inference` (tiny model unless overridden) in a fresh cache and run
+    directory, ended by its process group id. Yields cfg, run_dir and the model's tokenizer."""
+    from rl.model import ensure_checkpoint, load_tokenizer
+    from rl.runtime import wait_for_address
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAY_CACHE", str(tmp_path_factory.mktemp("relay_cache")))
+        cfg = compose_run(*overrides)
+        tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+        run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+        proc = start_role("inference", run_dir, "--replica", "0")
+        try:
+            try:
+                wait_for_address(run_dir, "inference-0", timeout=120)
+            except TimeoutError:
+                pytest.fail((run_dir / "inference.log").read_text())
+            yield SimpleNamespace(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer)
+        finally:
+            stop_role(proc)

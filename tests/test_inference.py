@@ -21,8 +21,8 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rl.inference import _encode, generate
-from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.inference import generate
+from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer, publish_weights
 from rl.runtime import auth_headers, wait_for_address
 from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
 
@@ -66,7 +66,7 @@ def reference_logprobs(model: Any, prompt: list[int], completion: list[int], tem
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_logprobs_match_full_forward(tiny: tuple[Any, Any], temperature: float) -> None:
     model, tokenizer = tiny
-    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts)  # left padding really happens
     samples = generate(model, tokenizer, prompts, 24, temperature)
     for prompt, sample in zip(prompts, samples, strict=True):
@@ -77,7 +77,7 @@ def test_logprobs_match_full_forward(tiny: tuple[Any, Any], temperature: float) 
 
 def test_greedy_batch_equals_each_prompt_alone(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
     batched = generate(model, tokenizer, prompts, 20, 0.0)
     for prompt, sample in zip(prompts, batched, strict=True):
         alone = generate(model, tokenizer, [prompt], 20, 0.0)[0]
@@ -87,7 +87,7 @@ def test_greedy_batch_equals_each_prompt_alone(tiny: tuple[Any, Any]) -> None:
 
 def test_per_row_limits_and_eos_stop(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
     first = generate(model, tokenizer, prompts[:1], 1, 0.0)[0].token_ids[0]
     # A tokenizer whose EOS is the greedy first token of prompt 0: that row must stop at once.
     fake = SimpleNamespace(eos_token_id=first, pad_token_id=tokenizer.pad_token_id)
@@ -101,7 +101,7 @@ def test_per_row_limits_and_eos_stop(tiny: tuple[Any, Any]) -> None:
 
 def test_seeded_rows_ignore_batch_neighbours(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    prompts = [_encode(tokenizer, p) for p in PROMPTS]
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
 
     def seeded() -> torch.Generator:
         return torch.Generator().manual_seed(1234)

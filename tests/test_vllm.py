@@ -27,8 +27,8 @@ from omegaconf import DictConfig
 from launcher.local import group_alive
 from launcher.plan import vllm_args
 from rl.envs import make_environment
-from rl.inference import _encode, generate
-from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.inference import generate
+from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer, publish_weights
 from rl.runtime import auth_headers, wait_for_address
 from rl.trainer import pad_batch, token_logprobs
 from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
@@ -85,9 +85,9 @@ def trained_checkpoint(cfg: DictConfig, target: Path, steps: int) -> list[list[i
     examples = make_environment(cfg.environment).train_examples()[:64]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
-        starts = [len(_encode(tok, e.prompt)) for e in examples]
+        starts = [len(encode_prompt(tok, e.prompt)) for e in examples]
         eos = [tok.eos_token_id]
-        seqs = [_encode(tok, e.prompt) + tok.encode(e.answer) + eos for e in examples]
+        seqs = [encode_prompt(tok, e.prompt) + tok.encode(e.answer) + eos for e in examples]
         ids, attention, mask = pad_batch(seqs, starts, tok.pad_token_id)
         logp, _ = token_logprobs(model, ids, attention)
         loss = -(logp * mask).sum() / mask.sum()
@@ -95,7 +95,7 @@ def trained_checkpoint(cfg: DictConfig, target: Path, steps: int) -> list[list[i
         loss.backward()
         optimizer.step()
     publish_weights(model, tok, target)
-    samples = generate(model.eval(), tok, [_encode(tok, p) for p in PROMPTS], 8, 0.0)
+    samples = generate(model.eval(), tok, [encode_prompt(tok, p) for p in PROMPTS], 8, 0.0)
     return [s.token_ids for s in samples]
 
 
