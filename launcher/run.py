@@ -46,7 +46,12 @@ def launch(cfg: DictConfig) -> None:
             _remove_if_empty(run_dir)
         return
     from launcher.local import run_local
+    from rl.model import ensure_checkpoint
 
+    # Build or convert the model once here, not concurrently in every role (SmolLM2's GGUF
+    # conversion takes about a minute); later calls find it in the cache.
+    if not cfg.model.path:
+        print(f"model: {ensure_checkpoint(cfg.model, seed=cfg.seed)}", flush=True)
     run_local(cfg, run_plan)
 
 

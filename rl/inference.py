@@ -119,7 +119,11 @@ def generate(
         groups.setdefault(id(gen), (gen, []))[1].append(row)
     eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(eos_id, 0)
-    ids, mask = _left_pad(prompts_ids, pad_id, device)
+    # Rows with the same prompt (a group's n samples) share one prompt pass: the cache, mask
+    # and positions are then gathered per row.
+    distinct: dict[tuple[int, ...], int] = {}
+    source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts_ids])
+    ids, mask = _left_pad([list(p) for p in distinct], pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache, steps_ids, steps_logp = DynamicCache(config=model.config), [], []
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
@@ -137,7 +141,12 @@ def generate(
                 past_key_values=cache,
                 logits_to_keep=1,  # the prompt pass needs only the last position's logits
             )
-            tokens, logp = _sample(out.logits[:, -1].float(), temps, groups)
+            logits = out.logits[:, -1].float()
+            if not steps_ids and len(distinct) < rows:
+                source = source.to(device)
+                cache.reorder_cache(source)
+                logits, mask, positions = logits[source], mask[source], positions[source]
+            tokens, logp = _sample(logits, temps, groups)
             tokens = torch.where(done, pad_id, tokens)
             steps_ids.append(tokens)
             steps_logp.append(logp)

@@ -85,6 +85,25 @@ def test_greedy_batch_equals_each_prompt_alone(tiny: tuple[Any, Any]) -> None:
         assert sample.finish_reason == alone.finish_reason
 
 
+def test_rows_sharing_a_prompt_share_its_pass_exactly(tiny: tuple[Any, Any]) -> None:
+    """A group's samples are prefilled once and fanned out: each row samples (seeded) the same
+    tokens, with logprobs of the full forward, as when it is alone."""
+    model, tokenizer = tiny
+    a, b = (encode_prompt(tokenizer, p) for p in PROMPTS[:2])
+    rows = [a, b, a, a, b]
+
+    def seeded(row: int) -> torch.Generator:
+        return torch.Generator().manual_seed(row)
+
+    shared = generate(model, tokenizer, rows, 12, 1.0, [seeded(r) for r in range(len(rows))])
+    for row, (prompt, sample) in enumerate(zip(rows, shared, strict=True)):
+        alone = generate(model, tokenizer, [prompt], 12, 1.0, [seeded(row)])[0]
+        assert sample.token_ids == alone.token_ids
+        ref = reference_logprobs(model, prompt, sample.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-4, rtol=0)
+    assert len({tuple(s.token_ids) for s in shared}) > 2  # the shared rows did diverge
+
+
 def test_per_row_limits_and_eos_stop(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
     prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
