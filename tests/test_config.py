@@ -149,3 +149,19 @@ def test_every_sweep_plans(tmp_path) -> None:
              f"hydra.sweep.dir={tmp_path / 'x'}")  # fmt: skip
     for loss in ("default", "aipo", "grpo", "gspo", "cispo"):
         assert f"algorithm={loss}" in out.stdout + out.stderr
+
+
+def test_every_experiment_preset_composes_and_plans() -> None:
+    presets = options("experiment")
+    assert "arithmetic_smollm2" in presets
+    for name in presets:
+        cfg = compose_run(f"experiment={name}")
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        out = rl(f"experiment={name}", "dry_run=true")
+        assert out.returncode == 0, out.stderr
+    cfg = compose_run("experiment=arithmetic_smollm2")
+    assert (cfg.model.name, cfg.environment.name, cfg.warmup.steps) == (
+        "smollm2_135m",
+        "arithmetic",
+        0,
+    )
