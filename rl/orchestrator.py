@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +169,15 @@ def score_group(
     length_penalty: float = 0.0,
     max_tokens: int = 1,
 ) -> dict[str, Any]:
-    """The completions of one prompt as a queue group: rewards, advantages, versions.
+    """The completions of one prompt as a queue group: rewards, advantages, versions, and the
+    environment's per-episode metrics where it keeps some.
 
     With a length penalty, each reward loses `length_penalty x tokens / max_tokens` before
     advantages are taken (the logged reward stays the environment's)."""
-    rewards = [env.reward(example, completion(c)) for c in choices]
+    completions = [completion(c) for c in choices]
+    rewards = env_map(env, lambda c: env.reward(example, c), completions)
+    metrics = getattr(env, "metrics", None)
+    extra = [{"env_metrics": metrics(example, c)} if metrics else {} for c in completions]
     shaped = [
         r - length_penalty * len(c["token_ids"]) / max_tokens
         for r, c in zip(rewards, choices, strict=True)
@@ -190,10 +195,23 @@ def score_group(
             "min_version": v,
             "max_version": w,
             **({"env_spans": c["env_spans"]} if c.get("env_spans") else {}),
+            **x,
         }
-        for c, r, a, v, w in zip(choices, rewards, advantages, versions, newest, strict=True)
+        for c, r, a, v, w, x in zip(
+            choices, rewards, advantages, versions, newest, extra, strict=True
+        )
     ]
     return {"samples": samples, "min_version": min(versions), "max_version": max(newest)}
+
+
+def env_map(env: Environment, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """`fn` over `items`, `env.concurrency` at a time (environments whose rewards or replies
+    run programs declare it; others run one at a time)."""
+    workers = min(getattr(env, "concurrency", 1), len(items))
+    if workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
 
 
 def completion(choice: dict[str, Any]) -> Any:
@@ -254,32 +272,43 @@ def run_episodes(
     max_len: int,
 ) -> list[dict[str, Any]]:
     """`n` multi-turn episodes per example (example-major), as completion choices. Each round
-    sends every open episode's token ids in one batch of requests; an episode ends when the
-    environment says so, after `env.max_turns` model turns, or when the context would overflow."""
-    episodes = [
-        Episode(example, encode_prompt(tokenizer, example.prompt))
-        for example in examples
-        for _ in range(n)
-    ]
+    sends every open episode's token ids in one batch of requests, then gets the environment's
+    replies (`env.concurrency` at a time). An episode ends when the environment says so, after
+    `env.max_turns` model turns, when the context would overflow, or past the environment's
+    `max_episode_tokens`. Chat environments (`env.chat`) reply after an end-of-turn token: a
+    turn cut at `max_tokens` gets one, masked like the reply."""
+    prompt_ids = getattr(env, "prompt_ids", lambda e: encode_prompt(tokenizer, e.prompt))
+    episodes = [Episode(example, prompt_ids(example)) for example in examples for _ in range(n)]
+    episode_tokens = getattr(env, "max_episode_tokens", max_len)
+    close = [tokenizer.eos_token_id] if getattr(env, "chat", False) else []
     for turn in range(env.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
             break
         prompts = [e.prompt_ids + e.ids for e in active]
-        for episode, choice in zip(
-            active, client.complete_all(prompts, 1, max_tokens, temperature), strict=True
-        ):
+        choices = client.complete_all(prompts, 1, max_tokens, temperature)
+        for episode, choice in zip(active, choices, strict=True):
             episode.add_model_turn(choice)
-            reply = env.respond(episode.example, episode.turns)  # type: ignore[attr-defined]
-            if reply is None or turn == env.max_turns - 1:
+        replies: list[str | None] = [None] * len(active)
+        if turn < env.max_turns - 1:
+            replies = env_map(env, partial(_respond, env), active)
+        for episode, choice, reply in zip(active, choices, replies, strict=True):
+            if reply is None:
                 episode.done = True
                 continue
             reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-            if len(episode.prompt_ids) + len(episode.ids) + len(reply_ids) + max_tokens > max_len:
+            if choice["finish_reason"] != "stop":
+                reply_ids = close + reply_ids
+            limit = min(max_len, len(episode.prompt_ids) + episode_tokens)
+            if len(episode.prompt_ids) + len(episode.ids) + len(reply_ids) + max_tokens > limit:
                 episode.done = True
                 continue
             episode.add_env_turn(reply, reply_ids)
     return [e.as_choice() for e in episodes]
+
+
+def _respond(env: Any, episode: Episode) -> str | None:
+    return env.respond(episode.example, episode.turns)
 
 
 def no_signal(group: dict[str, Any]) -> bool:
@@ -316,6 +345,8 @@ class Orchestrator:
         self.tokenizer = None
         if self.env.max_turns > 1:  # multi-turn rollouts send token ids
             self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
+            if hasattr(self.env, "use_tokenizer"):  # environments that render a chat template
+                self.env.use_tokenizer(self.tokenizer)
         self.max_len = cfg.model.inference.max_model_len or cfg.model.context_length
         (run_dir / "rollouts").mkdir(exist_ok=True)
 

@@ -414,6 +414,11 @@ def _check_group(where: str, group: Any, check_arrays: bool) -> None:
         prompt, completion, logprobs = arrays
         if len(logprobs) != len(completion) or len(completion) == 0:
             raise HTTPException(422, f"{at}: completion_ids empty or unlike logprobs in length")
+        metrics = sample.get("env_metrics", {})
+        if not isinstance(metrics, dict) or not all(
+            isinstance(k, str) and _is_number(v) for k, v in metrics.items()
+        ):
+            raise HTTPException(422, f"{at}.env_metrics must map names to finite numbers")
         if not _valid_spans(sample.get("env_spans", []), len(completion)):
             raise HTTPException(
                 422, f"{at}.env_spans must be ordered [begin, end) pairs inside the completion"

@@ -100,6 +100,15 @@ def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tu
     return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
 
 
+def env_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over the batch of the per-episode metrics an environment keeps (`env/<name>`)."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        for key, value in sample.get("env_metrics", {}).items():
+            values.setdefault(f"env/{key}", []).append(value)
+    return {key: sum(v) / len(v) for key, v in values.items()}
+
+
 class Trainer:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -387,6 +396,7 @@ class Trainer:
             "throughput/tokens_per_s": tokens * self.world / elapsed,
             "throughput/samples_per_s": len(samples) * self.world / elapsed,
             "timestamp": time.time(),
+            **env_metrics(samples),
         }
         append_jsonl(self.run_dir / "metrics.jsonl", record)
         self.log.info(

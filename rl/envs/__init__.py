@@ -59,6 +59,7 @@ REGISTRY = {
     "countdown": "rl.envs.reasoning:Countdown",
     "wordle": "rl.envs.wordle:Wordle",
     "verifiers": "rl.envs.verifiers_env:VerifiersEnvironment",
+    "code_repair": "rl.envs.code_repair:CodeRepair",
 }
 
 

@@ -1,0 +1,257 @@
+"""code_repair, an agentic environment: fix the planted bug of a small Python package with tools.
+
+The model gets the task in the chat template of its tokenizer with four tools (`list_files`,
+`read_file`, `edit_file`, `run_tests`); each turn's tool calls are executed and their results
+sent back as tool turns; a turn without a tool call ends the episode (as do `max_turns` turns
+or `max_episode_tokens` tokens, enforced by the orchestrator). Packages come from
+`rl.envs.code_tasks` (seeded, thousands, held-out eval split).
+
+An episode's files are the task's files plus the edits of its turns, replayed in order, so the
+environment keeps no state per episode. Model-written code only ever runs in `rl.sandbox`,
+`sandboxes` at a time. The reward comes from the task's own tests, run after the episode on the
+edited package (edits to the tests do not count): the fraction of the tests that failed at the
+start and pass now, 0 if a test that passed at the start fails now; 1 when all pass.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from rl import sandbox
+from rl.envs import Example, check_args
+from rl.envs.code_tasks import Task, make_task
+from rl.tools import ChatFormat, Tool, ToolCall, parse_tool_calls
+
+SYSTEM = "You are a careful Python programmer. You fix bugs with the tools you are given."
+RESULT_MARK = "@@relay-test-results@@"
+RUNNER = f'''import importlib, json, pathlib, sys
+sys.path.insert(0, ".")
+results = []
+for path in sorted(pathlib.Path("tests").glob("test_*.py")):
+    try:
+        module = importlib.import_module("tests." + path.stem)
+    except BaseException as err:
+        results.append([str(path), False, f"import failed: {{type(err).__name__}}: {{err}}"])
+        continue
+    for name in [n for n in vars(module) if n.startswith("test_")]:
+        try:
+            getattr(module, name)()
+            results.append([name, True, ""])
+        except BaseException as err:
+            results.append([name, False, f"{{type(err).__name__}}: {{err}}"])
+print("{RESULT_MARK}" + json.dumps(results))
+'''
+TOOLS = [
+    Tool("list_files", "List the files of the package and its tests.", {}),
+    Tool("read_file", "Read one file.", {"path": {"type": "string", "description": "As listed."}}),
+    Tool(
+        "edit_file",
+        "Replace the one occurrence of `old` in a file with `new`.",
+        {
+            "path": {"type": "string", "description": "As listed."},
+            "old": {"type": "string", "description": "Exact text that occurs once in the file."},
+            "new": {"type": "string", "description": "The replacement."},
+        },
+    ),
+    Tool("run_tests", "Run the package's tests and show which fail.", {}),
+]
+
+
+@dataclass(frozen=True)
+class CodeRepairArgs:
+    train_tasks: int = 4000
+    """Training packages (eval packages are `environment.eval_size`, from their own stream)."""
+    max_turns: int = 6
+    """Model turns per episode."""
+    max_episode_tokens: int = 1536
+    """Model and tool tokens per episode, after the prompt."""
+    sandboxes: int = 2
+    """Sandboxed test runs at once, across all episodes."""
+    wall_s: float = 10.0
+    """Wall-clock limit of one test run."""
+    memory_mb: int = 512
+    """Address-space limit of one test run."""
+    python: str = "/usr/bin/python3"
+    """Interpreter for the tests; it runs as an unprivileged user, so it must be readable by all."""
+    max_result_chars: int = 1500
+    """A tool result longer than this is cut."""
+
+
+class CodeRepair:
+    name = "code_repair"
+    chat = True  # turns end with the template's end-of-turn token
+
+    def __init__(self, env_cfg: Any) -> None:
+        self.args = check_args(dict(env_cfg.args), CodeRepairArgs())
+        if self.args.max_turns < 1 or self.args.sandboxes < 1:
+            raise ValueError("environment.args.max_turns and .sandboxes must be >= 1")
+        if not Path(self.args.python).exists():
+            raise ValueError(f"environment.args.python={self.args.python}: no such interpreter")
+        sandbox.check()
+        self.seed = env_cfg.seed
+        self.max_turns = self.args.max_turns
+        self.max_episode_tokens = self.args.max_episode_tokens
+        self.concurrency = self.args.sandboxes
+        self.tools = {t.name: t for t in TOOLS}
+        self.slots = threading.BoundedSemaphore(self.args.sandboxes)
+        self.limits = sandbox.Limits(wall_s=self.args.wall_s, memory_mb=self.args.memory_mb)
+        self.format: ChatFormat | None = None
+        self._train = [self._example("train", i) for i in range(self.args.train_tasks)]
+        self._eval = [self._example("eval", i) for i in range(env_cfg.eval_size)]
+        self._score = lru_cache(maxsize=4096)(self._score_uncached)
+
+    def _example(self, split: str, index: int) -> Example:
+        task = self.task(split, index)
+        prompt = (
+            f"The Python package `{task.package}` has a bug: some of its tests fail. Find it, "
+            "fix it with edit_file, and check with run_tests. When the tests pass, answer "
+            "without a tool call."
+        )
+        return Example(prompt, json.dumps(task.fix), {"split": split, "index": index})
+
+    def task(self, split: str, index: int) -> Task:
+        return make_task(self.seed, split, index)
+
+    def train_examples(self) -> list[Example]:
+        return self._train
+
+    def eval_examples(self) -> list[Example]:
+        return self._eval
+
+    # The chat side: prompts and tool turns in the model's template.
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        self.format = ChatFormat(tokenizer, TOOLS)
+
+    def prompt_ids(self, example: Example) -> list[int]:
+        assert self.format is not None, "use_tokenizer first"
+        return self.format.prompt_ids(SYSTEM, example.prompt)
+
+    def respond(self, example: Example, turns: list[str]) -> str | None:
+        """The tool turn answering the latest model turn; None when it called no tool."""
+        assert self.format is not None, "use_tokenizer first"
+        calls, errors = parse_tool_calls(turns[-1], self.tools)
+        if not calls and not errors:
+            return None
+        files = self.files(example, turns[:-1])
+        results = [self.execute(call, files)[0] for call in calls]
+        results += [f"error: {e}" for e in errors]
+        cap = self.args.max_result_chars
+        return self.format.tool_turn([r if len(r) <= cap else r[:cap] + "\n[cut]" for r in results])
+
+    # Tools. Each returns (text for the model, whether the call did what it asked).
+
+    def execute(self, call: ToolCall, files: dict[str, str]) -> tuple[str, bool]:
+        args = call.arguments
+        if call.name == "list_files":
+            return "\n".join(sorted(files)), True
+        if call.name == "read_file":
+            if args["path"] not in files:
+                return f"error: no file {args['path']!r}; files: {', '.join(sorted(files))}", False
+            return files[args["path"]], True
+        if call.name == "edit_file":
+            return _edit(files, args["path"], args["old"], args["new"])
+        outcome = self.run_tests(files)
+        return _summary(outcome), isinstance(outcome, list)
+
+    def files(self, example: Example, turns: list[str]) -> dict[str, str]:
+        """The task's files after the edits of `turns`, in order."""
+        files = dict(self.task(**example.info).files)
+        for turn in turns:
+            for call in parse_tool_calls(turn, self.tools)[0]:
+                if call.name == "edit_file":
+                    _edit(
+                        files, call.arguments["path"], call.arguments["old"], call.arguments["new"]
+                    )
+        return files
+
+    def run_tests(self, files: dict[str, str]) -> list[list[Any]] | str:
+        """[[test, passed, message], ...] from one sandboxed run, or what went wrong."""
+        with self.slots, tempfile.TemporaryDirectory(prefix="relay-code-") as tmp:
+            root = Path(tmp)
+            for rel, text in files.items():
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).write_text(text)
+            (root / "tests" / "__init__.py").write_text("")
+            (root / "relay_run_tests.py").write_text(RUNNER)
+            result = sandbox.run([self.args.python, "-I", "relay_run_tests.py"], root, self.limits)
+        if result.timed_out or result.returncode in (128 + 9, 128 + 24):  # SIGKILL, SIGXCPU
+            limits = f"{self.limits.wall_s:g} s wall clock, {self.limits.cpu_s} s CPU"
+            return f"the tests were stopped by the time limit ({limits})"
+        tail = result.stdout.rpartition(RESULT_MARK)[2]
+        try:
+            return json.loads(tail) if RESULT_MARK in result.stdout else _crash(result)
+        except json.JSONDecodeError:
+            return _crash(result)
+
+    # Scoring.
+
+    def _score_uncached(self, split: str, index: int, package: tuple[tuple[str, str], ...]) -> int:
+        task = self.task(split, index)
+        files = {**dict(package), **{p: t for p, t in task.files.items() if p.startswith("tests/")}}
+        outcome = self.run_tests(files)
+        return sum(ok for _, ok, _ in outcome) if isinstance(outcome, list) else 0
+
+    def passed(self, example: Example, turns: list[str]) -> int:
+        """Tests of the task that pass on the episode's edited package (original tests)."""
+        files = self.files(example, turns)
+        package = tuple(sorted((p, t) for p, t in files.items() if not p.startswith("tests/")))
+        return self._score(example.info["split"], example.info["index"], package)
+
+    def reward(self, example: Example, completion: list[str]) -> float:
+        task = self.task(**example.info)
+        passing_at_start = task.tests - task.failing_at_start
+        fixed = self.passed(example, completion) - passing_at_start
+        return max(0.0, fixed / task.failing_at_start)
+
+    def exact_match(self, example: Example, completion: list[str]) -> bool:
+        return self.passed(example, completion) == self.task(**example.info).tests
+
+    def metrics(self, example: Example, completion: list[str]) -> dict[str, float]:
+        """Tool-use statistics of one episode."""
+        files = dict(self.task(**example.info).files)
+        counts = {"tool_calls": 0, "tool_errors": 0, "edits": 0, "test_runs": 0}
+        for turn in completion:
+            calls, errors = parse_tool_calls(turn, self.tools)
+            counts["tool_calls"] += len(calls) + len(errors)
+            counts["tool_errors"] += len(errors)
+            for call in calls:
+                if call.name == "edit_file":
+                    ok = _edit(files, **call.arguments)[1]
+                    counts["edits"] += ok
+                    counts["tool_errors"] += not ok
+                counts["test_runs"] += call.name == "run_tests"
+        last = parse_tool_calls(completion[-1], self.tools) if completion else ([], [])
+        return {
+            **counts,
+            "turns": len(completion),
+            "answered": float(not last[0] and not last[1]),
+        }
+
+
+def _edit(files: dict[str, str], path: str, old: str, new: str) -> tuple[str, bool]:
+    if path not in files:
+        return f"error: no file {path!r}; files: {', '.join(sorted(files))}", False
+    found = files[path].count(old) if old else 0
+    if found != 1:
+        return f"error: `old` occurs {found} times in {path}; it must occur exactly once", False
+    files[path] = files[path].replace(old, new, 1)
+    return f"edited {path}", True
+
+
+def _summary(outcome: list[list[Any]] | str) -> str:
+    if isinstance(outcome, str):
+        return f"error: {outcome}"
+    failed = [f"FAILED {name}: {message}" for name, ok, message in outcome if not ok]
+    passed = len(outcome) - len(failed)
+    return "\n".join([f"{passed} passed, {len(failed)} failed", *failed])
+
+
+def _crash(result: sandbox.Result) -> str:
+    return f"the test run crashed (exit {result.returncode}): {result.stderr.strip()[-600:]}"

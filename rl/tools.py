@@ -1,0 +1,167 @@
+"""Tool calling for multi-turn environments: tools as JSON schemas, offered through the model's
+chat template, calls parsed from the model's turn, results sent back as tool turns.
+
+The call format is the Hermes one that Qwen3's template teaches and vLLM's `hermes` parser
+reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn. A
+template that renders `tools` itself (Qwen3's) gets them as `tools=`; for one that does not
+(SmolLM2's), the same declarations and instructions go into the system message. A tokenizer
+without a template gets a plain ChatML one.
+
+Malformed calls (not JSON, an unknown tool, missing or ill-typed arguments, an unclosed tag) are
+not exceptions for the rollout: each becomes an error line in the tool turn, so the model sees
+what was wrong, and is counted in the episode's statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+JSON_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
+MARK = "\x00relay-turn\x00"  # stands for the model's turn while a tool turn is rendered
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool: what the model is told (name, description, JSON-schema parameters)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """Property name -> JSON schema; every property is required."""
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI/HF function declaration."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": self.parameters,
+                    "required": list(self.parameters),
+                },
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[list[ToolCall], list[str]]:
+    """The well-formed calls of a model turn, in order, and an error message for each malformed
+    one."""
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for i, match in enumerate(CALL.finditer(text), start=1):
+        try:
+            calls.append(_check_call(json.loads(match.group(1)), tools))
+        except json.JSONDecodeError as err:
+            errors.append(f"tool call {i}: not valid JSON ({err.msg} at char {err.pos})")
+        except ValueError as err:
+            errors.append(f"tool call {i}: {err}")
+    closed = len(re.findall(r"</tool_call>", text))
+    if text.count("<tool_call>") > closed:
+        errors.append("a <tool_call> was not closed with </tool_call>")
+    return calls, errors
+
+
+def _check_call(raw: Any, tools: dict[str, Tool]) -> ToolCall:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise ValueError('expected {"name": <tool>, "arguments": {...}}')
+    name, args = raw["name"], raw.get("arguments", {})
+    if isinstance(args, str):  # some models send the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name}: arguments are not valid JSON ({err.msg})") from err
+    if name not in tools:
+        raise ValueError(f"unknown tool {name!r}; tools: {', '.join(tools)}")
+    if not isinstance(args, dict):
+        raise ValueError(f"{name}: arguments must be an object")
+    spec = tools[name].parameters
+    missing = [p for p in spec if p not in args]
+    if missing:
+        raise ValueError(f"{name}: missing {', '.join(missing)}")
+    unknown = sorted(set(args) - set(spec))
+    if unknown:
+        raise ValueError(f"{name}: unknown {', '.join(unknown)}; takes {', '.join(spec) or 'none'}")
+    for param, schema in spec.items():
+        want = JSON_TYPES.get(schema.get("type", ""), object)
+        value = args[param]
+        if not isinstance(value, want) or (isinstance(value, bool) and want is int):
+            raise ValueError(f"{name}: {param} must be a {schema['type']}")
+    return ToolCall(name, args)
+
+
+def tools_system_text(tools: list[Tool]) -> str:
+    """The tool declarations and call instructions, for a template that cannot render tools."""
+    lines = "\n".join(json.dumps(t.schema()) for t in tools)
+    return (
+        "You can call tools. Their signatures, one JSON object per line:\n<tools>\n"
+        f"{lines}\n</tools>\n"
+        "To call one, write a JSON object with the tool name and its arguments inside "
+        'tags, one call per pair:\n<tool_call>\n{"name": <tool-name>, "arguments": '
+        "<args-object>}\n</tool_call>\nAnswer without a tool call when you are done."
+    )
+
+
+class ChatFormat:
+    """Renders an episode through one tokenizer's chat template: the opening prompt with the
+    tools, and the tool turns that follow a model turn."""
+
+    def __init__(self, tokenizer: Any, tools: list[Tool]) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.template = tokenizer.chat_template or CHATML
+        self.native = "tools" in self.template
+        self.end = tokenizer.eos_token or ""
+
+    def render(self, messages: list[dict[str, str]], generation: bool) -> str:
+        kwargs: dict[str, Any] = {"tools": [t.schema() for t in self.tools]} if self.native else {}
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=self.template,
+            add_generation_prompt=generation,
+            tokenize=False,
+            **kwargs,
+        )
+
+    def opening(self, system: str, user: str) -> list[dict[str, str]]:
+        if not self.native:
+            system = f"{system}\n\n{tools_system_text(self.tools)}"
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def prompt_ids(self, system: str, user: str) -> list[int]:
+        text = self.render(self.opening(system, user), generation=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def tool_turn(self, results: list[str]) -> str:
+        """The text after a model turn that ended with the end-of-turn token: its tool results
+        as the template writes tool messages, then the next assistant header."""
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": MARK},
+            *({"role": "tool", "content": r} for r in results),
+        ]
+        text = self.render(messages, generation=True)
+        after = text[text.index(MARK) + len(MARK) :]
+        return after[len(self.end) :] if self.end and after.startswith(self.end) else after
