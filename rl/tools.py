@@ -115,12 +115,16 @@ def _check_call(raw: Any, tools: dict[str, Tool]) -> ToolCall:
 def tools_system_text(tools: list[Tool]) -> str:
     """The tool declarations and call instructions, for a template that cannot render tools."""
     lines = "\n".join(json.dumps(t.schema()) for t in tools)
+    first = tools[0]
+    example = {"name": first.name, "arguments": {p: "..." for p in first.parameters}}
     return (
         "You can call tools. Their signatures, one JSON object per line:\n<tools>\n"
         f"{lines}\n</tools>\n"
         "To call one, write a JSON object with the tool name and its arguments inside "
         'tags, one call per pair:\n<tool_call>\n{"name": <tool-name>, "arguments": '
-        "<args-object>}\n</tool_call>\nAnswer without a tool call when you are done."
+        "<args-object>}\n</tool_call>\n"
+        f"For example:\n<tool_call>\n{json.dumps(example)}\n</tool_call>\n"
+        "Answer without a tool call when you are done."
     )
 
 

@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,18 @@ def test_reward_counts_fixed_tests_not_edited_tests(env: CodeRepair) -> None:
     assert env.reward(example, [fix, breaks_one]) == 0.0
 
 
+def test_call_bonus_rewards_well_formed_calls_only_when_nothing_was_fixed(
+    env: CodeRepair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(env, "args", replace(env.args, call_bonus=0.1))
+    example = env.eval_examples()[3]
+    path, bad, good = json.loads(example.answer)
+    assert env.reward(example, [call("list_files"), "done"]) == pytest.approx(0.05)
+    assert env.reward(example, [call("list_files"), call("nope")]) == pytest.approx(0.05)
+    assert env.reward(example, ["<tool_call>{oops</tool_call>"]) == 0.0
+    assert env.reward(example, [call("edit_file", path=path, old=bad, new=good)]) == 1.0
+
+
 class ScriptedClient:
     """Stands in for inference: answers each episode with its policy's next turn (the text; its
     token ids are stand-ins that nothing decodes)."""
@@ -205,10 +218,10 @@ def test_rl_steps_with_smollm2_log_reward_and_tool_statistics(tmp_path: Path) ->
     overrides = [
         "experiment=code_repair_smollm2",
         "max_steps=2",
-        "environment.prompts_per_step=2",
+        "environment.prompts_per_step=1",
         "environment.group_size=2",
-        "environment.eval_size=2",
-        "environment.max_tokens=32",
+        "environment.eval_size=1",
+        "environment.max_tokens=24",
         "environment.args.max_turns=2",
         f"hydra.run.dir={run_dir}",
     ]
@@ -228,3 +241,4 @@ def test_rl_steps_with_smollm2_log_reward_and_tool_statistics(tmp_path: Path) ->
         assert record["env/turns"] >= 1 and record["env/tool_calls"] >= 0
         assert 0 <= record["env/tool_errors"] <= record["env/tool_calls"]
     assert [r["step"] for r in records if "eval/exact_match" in r] == [0, 2]
+    assert (run_dir / "rollouts" / "samples.jsonl").exists()

@@ -10,7 +10,9 @@ An episode's files are the task's files plus the edits of its turns, replayed in
 environment keeps no state per episode. Model-written code only ever runs in `rl.sandbox`,
 `sandboxes` at a time. The reward comes from the task's own tests, run after the episode on the
 edited package (edits to the tests do not count): the fraction of the tests that failed at the
-start and pass now, 0 if a test that passed at the start fails now; 1 when all pass.
+start and pass now, less any that passed at the start and fail now (so 1 when all pass, 0 for
+no change); with `call_bonus`, an episode that fixed nothing earns up to that much for making
+well-formed tool calls.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class CodeRepairArgs:
     """Interpreter for the tests; it runs as an unprivileged user, so it must be readable by all."""
     max_result_chars: int = 1500
     """A tool result longer than this is cut."""
+    call_bonus: float = 0.0
+    """Reward, when no failing test was fixed, of an episode whose every turn made a well-formed
+    tool call (less for fewer turns): shaping for models that do not call tools yet."""
 
 
 class CodeRepair:
@@ -208,7 +213,10 @@ class CodeRepair:
         task = self.task(**example.info)
         passing_at_start = task.tests - task.failing_at_start
         fixed = self.passed(example, completion) - passing_at_start
-        return max(0.0, fixed / task.failing_at_start)
+        if fixed > 0:
+            return fixed / task.failing_at_start
+        calling = sum(bool(parse_tool_calls(t, self.tools)[0]) for t in completion)
+        return self.args.call_bonus * calling / max(1, len(completion))
 
     def exact_match(self, example: Example, completion: list[str]) -> bool:
         return self.passed(example, completion) == self.task(**example.info).tests
