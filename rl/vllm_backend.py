@@ -120,13 +120,19 @@ class VllmFrontend:
         self.swap = asyncio.Lock()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Text as the embedded engine encodes it (BOS, then the text); token ids as they are
+        (multi-turn episodes send their own)."""
+        if isinstance(prompt, list):
+            return prompt
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         bos = self.tokenizer.bos_token_id
         return ([bos] if bos is not None else []) + ids
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        prompts = [body["prompt"]] if isinstance(body["prompt"], str) else body["prompt"]
+        prompt = body["prompt"]
+        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+        prompts = [prompt] if single else prompt
         forward = {
             **body,
             "model": self.model_name,

@@ -111,6 +111,15 @@ def test_completions_with_logprobs(server: SimpleNamespace) -> None:
                               json={"prompt": "a"}).status_code == 401  # fmt: skip
 
 
+def test_token_id_prompts_pass_through_unchanged(server: SimpleNamespace) -> None:
+    """Multi-turn episodes send token ids: one list, or a list of them."""
+    ids = [[1, 20, 21, 22], [1, 30, 31]]
+    for prompt, sent in ((ids, ids), (ids[0], ids[:1])):
+        body = complete(server, prompt=prompt, n=1, max_tokens=3, temperature=1.0, logprobs=1)
+        assert [c["prompt_token_ids"] for c in body["choices"]] == sent
+        assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
+
+
 def test_weight_update_matches_embedded_engine(cfg: DictConfig, server: SimpleNamespace) -> None:
     before = greedy(server)
     path = server.run_dir / "weights" / "step_1"

@@ -45,6 +45,14 @@ class Environment(Protocol):
 
 
 class MultiTurnEnvironment(Environment, Protocol):
+    """Optional members the orchestrator uses when an environment has them:
+    `use_tokenizer(tokenizer)` (called once, for environments that render a chat template),
+    `prompt_ids(example)` (the opening as token ids, instead of BOS + `example.prompt`),
+    `chat` (True: each model turn ends with the end-of-turn token before the reply),
+    `concurrency` (replies and rewards computed this many at a time, default 1),
+    `max_episode_tokens` (tokens after the prompt), and `metrics(example, turns)` (numbers per
+    episode, logged as batch means `env/<name>`)."""
+
     def respond(self, example: Example, turns: list[str]) -> str | None:
         """The environment's message after the model's latest turn (`turns[-1]`), or None when
         the episode is over."""
