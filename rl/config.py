@@ -377,6 +377,11 @@ class TrainerConfig:
     checkpoints at the step it was stopped at."""
     keep_weights: int = 3
     """Published weight versions kept on disk (older ones are deleted)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass (less memory, ~1/3 more
+    compute)."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimiser state in host memory."""
 
 
 @dataclass

@@ -223,11 +223,18 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return ([bos] if bos is not None else []) + ids
 
 
-def publish_weights(model: Any, tokenizer: Any, target: Path) -> None:
-    """Write an HF-layout checkpoint; the COMPLETE marker is written last, after an fsync."""
+def publish_weights(
+    model: Any, tokenizer: Any, target: Path, state_dict: dict[str, Any] | None = None
+) -> None:
+    """Write an HF-layout checkpoint (of `state_dict` when given: gathered FSDP weights); the
+    COMPLETE marker is written last, after an fsync."""
     _quiet_transformers()
     tmp = target.with_name(f"{target.name}.tmp")
-    model.save_pretrained(tmp)
+    if state_dict is not None:
+        state_dict = {
+            k.replace("._checkpoint_wrapped_module", ""): v for k, v in state_dict.items()
+        }
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     marker = tmp / COMPLETE
     with open(marker, "w") as f:

@@ -6,7 +6,6 @@ even for one process, so the same code path serves a larger world.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import shutil
@@ -21,10 +20,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rl import wire
+from rl import parallel, wire
 from rl.algorithms import LOSSES, loss_stats, reduce
 from rl.envs import Example, make_environment
-from rl.model import ensure_checkpoint, is_complete, load_model, load_tokenizer, publish_weights
+from rl.model import (
+    COMPLETE,
+    ensure_checkpoint,
+    is_complete,
+    load_model,
+    load_tokenizer,
+    publish_weights,
+)
 from rl.runtime import (
     CHECKPOINT_REQUEST,
     CHECKPOINTED,
@@ -41,11 +47,11 @@ from rl.runtime import (
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete `checkpoints/step_N.pt` of the run, if any."""
+    """The newest complete `checkpoints/step_N/` (a DCP checkpoint) of the run, if any."""
     found = [
         (int(m.group(1)), p)
-        for p in (run_dir / "checkpoints").glob("step_*.pt")
-        if (m := re.fullmatch(r"step_(\d+)\.pt", p.name))
+        for p in (run_dir / "checkpoints").glob("step_*")
+        if (m := re.fullmatch(r"step_(\d+)", p.name)) and is_complete(p)
     ]
     return max(found)[1] if found else None
 
@@ -119,9 +125,20 @@ class Trainer:
         if self.rank == 0:  # build the base model once, before the other ranks look for it
             ensure_checkpoint(cfg.model, seed=cfg.seed)
         dist.barrier()
-        base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+        self.base = base = ensure_checkpoint(cfg.model, seed=cfg.seed)
         self.model = load_model(base, dtype=cfg.model.dtype)
         self.tokenizer = load_tokenizer(base)
+        self.dims = parallel.from_config(cfg.parallel.trainer, self.world)
+        if cfg.trainer.activation_checkpointing:
+            parallel.apply_activation_checkpointing(self.model)
+        if self.dims.sharded:
+            mesh = parallel.build_mesh(self.dims)
+            parallel.apply_fsdp(self.model, mesh, self.dims, cpu_offload=cfg.trainer.cpu_offload)
+        self.log.info(
+            "mesh %s: %.1f MB of parameters on this rank",
+            self.dims,
+            parallel.local_parameter_bytes(self.model) / 1e6,
+        )
         lr = cfg.algorithm.lr if cfg.algorithm.lr is not None else cfg.model.lr
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -134,13 +151,10 @@ class Trainer:
         self.weights_dir = run_dir / "weights"
         self.weights_dir.mkdir(exist_ok=True)
 
-    def all_reduce_grads(self) -> None:
-        if self.world == 1:
-            return
-        for p in self.model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= self.world
+    def reduce_gradients(self) -> None:
+        """Sum gradients across ranks where FSDP has not (it reduces its own shards)."""
+        if not self.dims.sharded:
+            parallel.sum_gradients(self.model)
 
     def warmup(self) -> None:
         """Supervised warm-up: cross-entropy on the answers of training examples."""
@@ -156,10 +170,13 @@ class Trainer:
             mine = picks[self.rank :: self.world]
             ids, attention, completion = sft_batch(self.tokenizer, [examples[i] for i in mine])
             logp, _ = token_logprobs(self.model, ids, attention)
-            loss = -(logp * completion).sum() / completion.sum()
+            total = completion.sum().float()
+            if self.world > 1:  # normalised by the whole batch's tokens, gradients summed
+                dist.all_reduce(total)
+            loss = -(logp * completion).sum() / total
             optimizer.zero_grad()
             loss.backward()
-            self.all_reduce_grads()
+            self.reduce_gradients()
             optimizer.step()
             if step % 10 == 0 or step == cfg.steps - 1:
                 self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
@@ -249,8 +266,10 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + float(stats[key]) / totals["tokens"]
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
             ratio_min = min(ratio_min, float(stats["ratio_min"]))
-        self.all_reduce_grads()
+        self.reduce_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         return {
             **sums,
@@ -260,26 +279,37 @@ class Trainer:
         }
 
     def publish(self, version: int) -> None:
-        if self.rank != 0 or is_complete(self.weights_dir / f"step_{version}"):
+        """HF-layout weights for inference; under FSDP the shards are gathered first (every rank
+        takes part), rank 0 writes."""
+        target = self.weights_dir / f"step_{version}"
+        if self.on_rank_0(is_complete(target)):
             return
-        publish_weights(self.model, self.tokenizer, self.weights_dir / f"step_{version}")
+        state = parallel.full_state_dict(self.model)
+        if self.rank != 0:
+            return
+        publish_weights(self.model, self.tokenizer, target, state_dict=state)
         stale = version - self.cfg.trainer.keep_weights
         if stale > 0:
             shutil.rmtree(self.weights_dir / f"step_{stale}", ignore_errors=True)
 
     def checkpoint(self, step: int) -> None:
-        if self.rank != 0:
+        """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank
+        writes its shards; the COMPLETE marker comes last)."""
+        target = self.run_dir / "checkpoints" / f"step_{step}"
+        if self.on_rank_0(is_complete(target)):
             return
-        folder = self.run_dir / "checkpoints"
-        folder.mkdir(exist_ok=True)
-        state = {
-            "step": step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-        }
-        tmp = folder / f".step_{step}.pt.tmp"
-        torch.save(state, tmp)
-        tmp.rename(folder / f"step_{step}.pt")
+        parallel.save_checkpoint(self.model, self.optimizer, step, target)
+        dist.barrier()
+        if self.rank == 0:
+            (target / COMPLETE).touch()
+
+    def make_reference(self, state: dict[str, Any] | None = None) -> Any:
+        """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
+        reference = load_model(self.base, dtype=self.cfg.model.dtype)
+        reference.load_state_dict(
+            state if state is not None else parallel.full_state_dict(self.model)
+        )
+        return reference.eval().requires_grad_(False)
 
     def resume(self) -> int:
         """Load the newest checkpoint, if there is one; returns the step to continue from.
@@ -290,14 +320,10 @@ class Trainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return 0
-        state = torch.load(path, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        step = parallel.load_checkpoint(self.model, self.optimizer, path)
         reference = self.run_dir / "checkpoints" / "reference.pt"
         if self.cfg.algorithm.kl_coef > 0 and reference.exists():
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-            self.reference.load_state_dict(torch.load(reference))
-        step = int(state["step"])
+            self.reference = self.make_reference(torch.load(reference))
         if self.rank == 0:
             # Steps after the checkpoint are trained again from the same batches: their first
             # records go, so every step is recorded once.
@@ -318,13 +344,22 @@ class Trainer:
         self.warmup()
         if self.cfg.algorithm.kl_coef > 0:
             # The KL reference is the policy RL starts from: the weights after warm-up.
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference = self.make_reference()
             if self.rank == 0:
                 folder = self.run_dir / "checkpoints"
                 folder.mkdir(exist_ok=True)
                 torch.save(self.reference.state_dict(), folder / "reference.pt")
         self.publish(0)
         return 0
+
+    def on_rank_0(self, flag: bool) -> bool:
+        """Rank 0's value of `flag` on every rank, so that all ranks take the same branch into
+        a collective."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor([float(flag)])
+        dist.broadcast(value, src=0)
+        return bool(value.item())
 
     def stop_requested(self) -> bool:
         """Whether the job supervisor asked for a checkpoint and stop (Slurm preemption or

@@ -102,7 +102,7 @@ def test_run_directory_and_metrics(tmp_path: Path, cache: Path) -> None:
     for role in ("queue", "orchestrator", "inference-0", "trainer"):
         assert (run_dir / "logs" / f"{role}.log").stat().st_size > 0
     assert (run_dir / "weights" / "step_6" / "COMPLETE").exists()
-    assert (run_dir / "checkpoints" / "step_6.pt").exists()
+    assert (run_dir / "checkpoints" / "step_6" / "COMPLETE").exists()
     rollouts = (run_dir / "rollouts" / "samples.jsonl").read_text().splitlines()
     assert {"prompt", "completion", "reward"} <= set(json.loads(rollouts[0]))
     assert list((run_dir / "wandb").glob("offline-run-*"))

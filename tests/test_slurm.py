@@ -162,7 +162,7 @@ def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
     log = log_path.read_text()
     stopped = int(log.split("checkpointed at step ")[1].split()[0])
     assert 10 <= stopped < 30
-    assert f"resumed from {run_dir}/checkpoints/step_{stopped}.pt" in log
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in log
     assert f"continuing at step {stopped + 1}" in log
     for job in ("trainer", "control"):
         submitit_log = next((run_dir / "slurm" / job).glob("*_0_log.out")).read_text()

@@ -1,0 +1,89 @@
+"""Bodies of the spawned trainer ranks in tests/test_parallel.py (gloo on CPU): each builds the
+real `rl.trainer.Trainer` from a run directory and drives its steps on fixed samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl import parallel
+from rl.trainer import Trainer
+
+
+def synthetic_samples(count: int, seed: int) -> list[dict[str, Any]]:
+    """Scored samples of different lengths over the tiny model's character ids."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = torch.randint(4, 40, (3 + i % 4,), generator=gen).tolist()
+        completion = torch.randint(4, 40, (2 + (3 * i) % 7,), generator=gen).tolist()
+        logprobs = (-torch.rand(len(completion), generator=gen) * 3 - 0.5).tolist()
+        samples.append(
+            {
+                "prompt_ids": [1, *prompt],
+                "completion_ids": completion,
+                "logprobs": logprobs,
+                "advantage": float(torch.randn(1, generator=gen)),
+                "reward": 0.0,
+                "min_version": 0,
+                "max_version": 0,
+            }
+        )
+    return samples
+
+
+def _trainer(rank: int, world: int, init_file: str, run_dir: str) -> Trainer:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return Trainer(Path(run_dir))
+
+
+def _mine(samples: list[dict[str, Any]], rank: int, world: int) -> list[dict[str, Any]]:
+    return samples[rank::world]
+
+
+def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for name, p in trainer.model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> None:
+    """One training step on this rank's share of 8 samples; rank 0 saves the whole batch's
+    loss, the full gradients and every rank's parameter bytes."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    mine = _mine(synthetic_samples(8, seed=0), rank, world)
+    stats = trainer.train_step(mine, [list(range(len(mine)))])
+    loss = torch.tensor([stats["loss"]])
+    dist.all_reduce(loss)
+    grads = full_gradients(trainer)
+    sizes = [None] * world
+    dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
+    if rank == 0:
+        torch.save({"loss": loss.item(), "grads": grads, "bytes": sizes}, out)
+    dist.destroy_process_group()
+
+
+def steps(
+    rank: int, world: int, init_file: str, run_dir: str, out: str, first: int, last: int
+) -> None:
+    """Steps first..last (1-based) on fixed batches, resuming from the run's newest checkpoint
+    when first > 1 and checkpointing after step 2; rank 0 saves the full weights after each
+    step as `<out>_<step>.pt`."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    if first > 1:
+        assert trainer.resume() == first - 1
+    for step in range(first, last + 1):
+        batch = _mine(synthetic_samples(8, seed=step), rank, world)
+        trainer.train_step(batch, [list(range(len(batch)))])
+        if step == 2:
+            trainer.checkpoint(step)
+            trainer.publish(step)
+        state = parallel.full_state_dict(trainer.model)
+        if rank == 0:
+            torch.save(state, f"{out}_{step}.pt")
+    dist.destroy_process_group()
