@@ -382,6 +382,9 @@ class TrainerConfig:
     compute)."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimiser state in host memory."""
+    packing: bool = True
+    """Pack a micro-batch's samples into rows as long as its longest sample, with attention
+    kept inside each sample (rl/packing.py); False pads one sample per row."""
 
 
 @dataclass

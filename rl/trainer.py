@@ -31,6 +31,7 @@ from rl.model import (
     load_tokenizer,
     publish_weights,
 )
+from rl.packing import packed_logprobs
 from rl.runtime import (
     CHECKPOINT_REQUEST,
     CHECKPOINTED,
@@ -231,7 +232,14 @@ class Trainer:
             "mask": completion,
             "inference_logprobs": inference_logp,
             "advantages": torch.tensor([float(s["advantage"]) for s in part]),
+            "sequences": [s["prompt_ids"] + s["completion_ids"] for s in part],
         }
+
+    def logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token log-probabilities and entropies of a micro-batch, packed or padded."""
+        if self.cfg.trainer.packing:
+            return packed_logprobs(model, mb["sequences"])
+        return token_logprobs(model, mb["ids"], mb["attention"])
 
     def train_step(
         self, samples: list[dict[str, Any]], micro_batches: list[list[int]]
@@ -244,11 +252,11 @@ class Trainer:
         ratio_max, ratio_min = 0.0, float("inf")
         for indices in micro_batches:
             mb = self.micro_batch([samples[i] for i in indices])
-            logp, entropy = token_logprobs(self.model, mb["ids"], mb["attention"])
+            logp, entropy = self.logprobs(self.model, mb)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref, _ = token_logprobs(self.reference, mb["ids"], mb["attention"])
+                    ref, _ = self.logprobs(self.reference, mb)
             out = self.loss_fn(
                 logp,
                 mb["inference_logprobs"],

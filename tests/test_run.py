@@ -108,6 +108,19 @@ def test_run_directory_and_metrics(tmp_path: Path, cache: Path) -> None:
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
+def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = ("max_steps=6", "parallel=fsdp", "parallel.trainer.dp_shard=2")
+    records = run_to_end(run_dir, cache, *overrides, WANDB_MODE="disabled")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    for rank in (0, 1):
+        assert f"trainer-{rank} INFO mesh ParallelDims(dp_replicate=1, dp_shard=2" in log
+    assert (run_dir / "weights" / "step_6" / "model.safetensors").exists()
+    shards = list((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
+    assert len(shards) == 2  # one file per rank
+
+
 def test_async_level_0_trains_only_on_policy(tmp_path: Path, cache: Path) -> None:
     records = run_to_end(
         tmp_path / "run", cache, "max_steps=5", "algorithm.async_level=0", WANDB_MODE="disabled"
