@@ -297,7 +297,7 @@ def run_episodes(
                 episode.done = True
                 continue
             reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-            if choice["finish_reason"] != "stop":
+            if close and choice["finish_reason"] != "stop":
                 reply_ids = close + reply_ids
             limit = min(max_len, len(episode.prompt_ids) + episode_tokens)
             if len(episode.prompt_ids) + len(episode.ids) + len(reply_ids) + max_tokens > limit:

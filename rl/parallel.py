@@ -37,8 +37,6 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-WRAPPED = "_checkpoint_wrapped_module"  # the name activation checkpointing puts in paths
-
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -105,12 +103,10 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 
 def apply_activation_checkpointing(model: Any) -> None:
-    """Recompute each decoder block's activations in the backward pass instead of keeping them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    """Recompute each decoder block's activations in the backward pass instead of keeping them
+    (the blocks' own checkpointing, which passes their keyword arguments through)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # the blocks checkpoint only in training mode
 
 
 def apply_fsdp(
@@ -121,6 +117,8 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> Any:
     """Shard every decoder block, then the root (embeddings, final norm, LM head)."""
+    if cpu_offload and not torch.cuda.is_available():
+        raise ValueError("trainer.cpu_offload=true moves GPU state to the host; there is no GPU")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs: dict[str, Any] = {"mesh": mesh[dims.fsdp_dims], "mp_policy": policy}
     if cpu_offload:
@@ -156,11 +154,10 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Whole, unsharded weights on CPU under the model's own names (activation-checkpointing
-    wrappers left out). A collective under FSDP: every rank calls it; rank 0 gets them."""
+    """Whole, unsharded weights on CPU (a collective under FSDP: every rank calls it; rank 0
+    gets them)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    return {k.replace(f".{WRAPPED}", ""): v for k, v in state.items()}
+    return get_model_state_dict(model, options=options)
 
 
 def save_checkpoint(model: Any, optimizer: Any, step: int, target: Path) -> None:

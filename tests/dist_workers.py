@@ -57,14 +57,21 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     loss, the full gradients and every rank's parameter bytes."""
     trainer = _trainer(rank, world, init_file, run_dir)
     mine = _mine(synthetic_samples(8, seed=0), rank, world)
-    stats = trainer.train_step(mine, [list(range(len(mine)))])
+    kept = [0]  # elements of the tensors autograd keeps for the backward pass
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept[0] += tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        stats = trainer.train_step(mine, [list(range(len(mine)))])
     loss = torch.tensor([stats["loss"]])
     dist.all_reduce(loss)
     grads = full_gradients(trainer)
     sizes = [None] * world
     dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
     if rank == 0:
-        torch.save({"loss": loss.item(), "grads": grads, "bytes": sizes}, out)
+        torch.save({"loss": loss.item(), "grads": grads, "bytes": sizes, "kept": kept[0]}, out)
     dist.destroy_process_group()
 
 

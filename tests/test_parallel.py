@@ -59,15 +59,24 @@ def reference(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 
 @pytest.mark.parametrize(
-    ("world", "option", "shards"),
-    [(2, "parallel=fsdp", 2), (4, "parallel=fsdp", 4), (4, "parallel=hsdp", 2)],
+    ("world", "options", "shards"),
+    [
+        (2, ["parallel=fsdp"], 2),
+        (4, ["parallel=fsdp"], 4),
+        (4, ["parallel=hsdp"], 2),
+        (2, ["parallel=fsdp", "trainer.activation_checkpointing=true"], 2),
+        (2, ["parallel=fsdp", "trainer.packing=false"], 2),
+    ],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-checkpointing", "fsdp2-unpacked"],
 )
 def test_one_step_matches_a_single_process(
-    reference: dict[str, Any], tmp_path: Path, world: int, option: str, shards: int
+    reference: dict[str, Any], tmp_path: Path, world: int, options: list[str], shards: int
 ) -> None:
     out = tmp_path / "out.pt"
-    run_ranks(world, tmp_path, dist_workers.one_step, option, args=(str(out),))
+    run_ranks(world, tmp_path, dist_workers.one_step, *options, args=(str(out),))
     got = torch.load(out)
+    if "trainer.activation_checkpointing=true" in options:  # blocks keep only their inputs
+        assert got["kept"] < reference["kept"] / 4, (got["kept"], reference["kept"])
     assert got["loss"] == pytest.approx(reference["loss"], rel=RTOL)
     assert_same_gradients(got["grads"], reference["grads"])
     whole = reference["bytes"][0]
