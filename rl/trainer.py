@@ -116,6 +116,10 @@ def env_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(v) / len(v) for key, v in values.items()}
 
 
+# A one-token sample for a pass that contributes nothing.
+IDLE = [{"prompt_ids": [0], "completion_ids": [0], "logprobs": [0.0], "advantage": 0.0}]
+
+
 class Trainer:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -241,6 +245,15 @@ class Trainer:
             return packed_logprobs(model, mb["sequences"])
         return token_logprobs(model, mb["ids"], mb["attention"])
 
+    def passes(self, mine: int) -> int:
+        """Forward/backward passes of this step: the most any rank needs (FSDP runs
+        collectives in every pass, so ranks with fewer micro-batches add idle ones)."""
+        if not self.dims.sharded:
+            return mine
+        most = torch.tensor([mine])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
     def train_step(
         self, samples: list[dict[str, Any]], micro_batches: list[list[int]]
     ) -> dict[str, float]:
@@ -250,9 +263,13 @@ class Trainer:
         self.optimizer.zero_grad()
         sums: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
         ratio_max, ratio_min = 0.0, float("inf")
-        for indices in micro_batches:
-            mb = self.micro_batch([samples[i] for i in indices])
+        for k in range(self.passes(len(micro_batches))):
+            idle = k >= len(micro_batches)
+            mb = self.micro_batch(IDLE if idle else [samples[i] for i in micro_batches[k]])
             logp, entropy = self.logprobs(self.model, mb)
+            if idle:  # FSDP's collectives need the same passes on every rank: add zero
+                (logp.sum() * 0.0).backward()
+                continue
             ref = None
             if self.reference is not None:
                 with torch.no_grad():

@@ -75,6 +75,19 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     dist.destroy_process_group()
 
 
+def uneven_micro_batches(rank: int, world: int, init_file: str, run_dir: str, out: str) -> None:
+    """Rank 0 takes its 4 samples in 4 micro-batches, rank 1 in one: the step completes and
+    the gradients are the same as with even ones."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    mine = _mine(synthetic_samples(8, seed=0), rank, world)
+    parts = [[i] for i in range(len(mine))] if rank == 0 else [list(range(len(mine)))]
+    trainer.train_step(mine, parts)
+    grads = full_gradients(trainer)
+    if rank == 0:
+        torch.save({"grads": grads}, out)
+    dist.destroy_process_group()
+
+
 def steps(
     rank: int, world: int, init_file: str, run_dir: str, out: str, first: int, last: int
 ) -> None:

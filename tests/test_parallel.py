@@ -85,6 +85,14 @@ def test_one_step_matches_a_single_process(
         assert whole / shards <= held <= whole / shards * 1.05 + 4096, (held, whole)
 
 
+def test_ranks_with_different_micro_batch_counts_step_together(
+    reference: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "out.pt"
+    run_ranks(2, tmp_path, dist_workers.uneven_micro_batches, "parallel=fsdp", args=(str(out),))
+    assert_same_gradients(torch.load(out)["grads"], reference["grads"])
+
+
 def test_checkpoint_resumes_into_the_same_steps(cache: Path, tmp_path: Path) -> None:
     """Two ranks train steps 1-4, checkpointing after step 2; from that checkpoint two ranks
     train steps 3-4 again, and one process trains step 3: each lands on the same weights."""
