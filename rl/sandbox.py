@@ -152,20 +152,22 @@ def _kill_tree(bootstrap: int) -> None:
         pass
 
 
+def processes_of(uids: range) -> list[int]:
+    """Live processes owned by any of `uids` on this machine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid in uids:
+                found.append(int(entry.name))
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def _wait_gone(uid: int, timeout: float = 10.0) -> None:
     """Wait (bounded) until no process of sandbox uid `uid` is left."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = False
-        for entry in Path("/proc").iterdir():
-            try:
-                left = entry.name.isdigit() and entry.stat().st_uid == uid
-            except FileNotFoundError:
-                continue
-            if left:
-                break
-        if not left:
-            return
+    while processes_of(range(uid, uid + 1)) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -309,7 +309,8 @@ class Trainer:
         target = self.weights_dir / f"step_{version}"
         if self.on_rank_0(is_complete(target)):
             return
-        state = parallel.full_state_dict(self.model)
+        # Gathered under FSDP (a collective); one process saves its own module directly.
+        state = parallel.full_state_dict(self.model) if self.dims.sharded else None
         if self.rank != 0:
             return
         publish_weights(self.model, self.tokenizer, target, state_dict=state)

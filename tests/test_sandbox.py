@@ -24,25 +24,13 @@ def run_python(workdir: Path, code: str, limits: sandbox.Limits = LIMITS) -> san
     return sandbox.run([PY, "-I", "main.py"], workdir, limits)
 
 
-def sandbox_processes() -> list[int]:
-    """Processes owned by a sandbox uid anywhere on this machine."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                uid = entry.stat().st_uid
-            except FileNotFoundError:
-                continue
-            if sandbox.UID_BASE <= uid < sandbox.UID_BASE + sandbox.UID_SPAN:
-                found.append(int(entry.name))
-    return found
-
-
 def assert_unharmed(workdir: Path) -> None:
     result = run_python(workdir, "print(sum(range(10)))")
     assert result.returncode == 0 and result.stdout.strip() == "45", result
     if os.getuid() == 0:
-        assert sandbox_processes() == []
+        assert (
+            sandbox.processes_of(range(sandbox.UID_BASE, sandbox.UID_BASE + sandbox.UID_SPAN)) == []
+        )
 
 
 @pytest.fixture
