@@ -124,10 +124,10 @@ def _trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
             f"parallel.trainer.tp={par.tp}",
             f"tensor parallelism stays inside a node of {cluster.gpus_per_node} GPUs",
         )
-    if (dp_shard * par.cp) % par.ep:
+    if dp_shard % par.ep:
         _fail(
             f"parallel.trainer.ep={par.ep}",
-            f"must divide dp_shard x cp = {dp_shard} x {par.cp} (EP borrows those ranks)",
+            f"must divide dp_shard={dp_shard} (expert parallelism borrows data-parallel ranks)",
         )
     return {
         "dp_replicate": par.dp_replicate,

@@ -139,6 +139,9 @@ class ModelConfig:
     """Width of one expert's MLP."""
     first_dense_layers: int = 0
     """Leading decoder blocks that use a dense MLP instead of MoE."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """Further transformers config attributes for a model built here (`source: random`), such
+    as GLM-5's attention ranks for a tiny instance."""
     total_params_b: float = MISSING
     """Total parameters, in billions (as published)."""
     active_params_b: float = MISSING
@@ -168,7 +171,7 @@ class TrainerParallelConfig:
     dp_shard: int = -1
     """FSDP shard degree; -1 takes every rank the other degrees leave."""
     ep: int = 1
-    """Expert-parallel degree; borrows ranks from dp_shard x cp, must divide the expert count."""
+    """Expert-parallel degree; borrows ranks from dp_shard, must divide it and the expert count."""
     cp: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
     tp: int = 1

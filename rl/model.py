@@ -52,6 +52,35 @@ def build_char_tokenizer(vocab_size: int) -> Any:
     )
 
 
+def _moe_config(model_cfg: Any) -> dict[str, Any]:
+    """The MoE attributes of a transformers config, in each family's own names."""
+    if not model_cfg.num_experts:
+        return {}
+    family = str(model_cfg.model_type)
+    routed = {"num_experts_per_tok": model_cfg.experts_per_token}
+    if family == "qwen3_moe":
+        return {
+            **routed,
+            "num_experts": model_cfg.num_experts,
+            "moe_intermediate_size": model_cfg.moe_intermediate_size,
+            "mlp_only_layers": list(range(model_cfg.first_dense_layers)),
+        }
+    if family == "glm_moe_dsa":
+        return {
+            **routed,
+            "n_routed_experts": model_cfg.num_experts,
+            "moe_intermediate_size": model_cfg.moe_intermediate_size,
+            "n_shared_experts": model_cfg.num_shared_experts,
+            "first_k_dense_replace": model_cfg.first_dense_layers,
+        }
+    if family == "minimax_m2":  # its experts' width is `intermediate_size`
+        return {**routed, "num_local_experts": model_cfg.num_experts}
+    raise ValueError(
+        f"model={model_cfg.name}: building a random {family} MoE is not supported "
+        "(qwen3_moe, glm_moe_dsa and minimax_m2 are)"
+    )
+
+
 def _hf_config(model_cfg: Any, tokenizer: Any) -> Any:
     from transformers import AutoConfig
 
@@ -70,6 +99,8 @@ def _hf_config(model_cfg: Any, tokenizer: Any) -> Any:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         architectures=[model_cfg.architecture],
+        **_moe_config(model_cfg),
+        **dict(model_cfg.hf_config),
     )
 
 
@@ -92,7 +123,9 @@ def _fingerprint(model_cfg: Any, source_id: str) -> str:
     """Hash of the config and `source_id` (what else defines the weights) naming the cache dir."""
     keys = ("architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
             "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size", "context_length",
-            "tie_word_embeddings", "dtype")  # fmt: skip
+            "tie_word_embeddings", "dtype", "num_experts", "experts_per_token",
+            "num_shared_experts", "moe_intermediate_size", "first_dense_layers",
+            "hf_config")  # fmt: skip
     blob = json.dumps({k: str(model_cfg[k]) for k in keys}, sort_keys=True) + source_id
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

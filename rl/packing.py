@@ -38,12 +38,15 @@ def padding_waste(lengths: list[int], rows: list[list[int]], width: int) -> floa
     return 1.0 - sum(lengths) / (len(rows) * width)
 
 
-def packed_logprobs(model: Any, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_logprobs(
+    model: Any, sequences: list[list[int]], cp: Any = None, pack: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities and entropies as `rl.trainer.token_logprobs` gives them for
-    right-padded rows ([samples, longest], position 0 and padding 0), computed on packed rows."""
+    right-padded rows ([samples, longest], position 0 and padding 0), computed on packed rows
+    (or one sample per row with `pack=False`), split over a CP group when `cp` is given."""
     lengths = [len(s) for s in sequences]
     width = max(lengths)
-    rows = pack_rows(lengths, width)
+    rows = pack_rows(lengths, width) if pack else [[i] for i in range(len(sequences))]
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     segment = torch.full((len(rows), width), -1, dtype=torch.long)
@@ -61,16 +64,30 @@ def packed_logprobs(model: Any, sequences: list[list[int]]) -> tuple[torch.Tenso
     same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
     # Padding rows attend to themselves only, so no softmax row is empty.
     mask = (same & causal) | torch.eye(width, dtype=torch.bool)
-    logits = model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None]).logits
-    logp_all = F.log_softmax(logits.float(), dim=-1)
+    if cp is None:
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None]).logits
+        picked, predicting_entropy = next_token_logprobs(logits, next_tokens(ids))
+    else:
+        picked, predicting_entropy = cp.next_token_logprobs(model, ids, positions, mask)
     logp = torch.zeros((len(sequences), width))
     entropy = torch.zeros((len(sequences), width))
     for i, (r, at) in enumerate(where):
         n = lengths[i]
-        if n < 2:
-            continue
-        predicting = logp_all[r, at : at + n - 1]
-        logp[i, 1:n] = predicting.gather(-1, ids[r, at + 1 : at + n, None]).squeeze(-1)
-        with torch.no_grad():
-            entropy[i, 1:n] = -(predicting.exp() * predicting).sum(-1)
+        logp[i, 1:n] = picked[r, at : at + n - 1]
+        entropy[i, 1:n] = predicting_entropy[r, at : at + n - 1].detach()
     return logp, entropy
+
+
+def next_tokens(ids: torch.Tensor) -> torch.Tensor:
+    """The token each column predicts: the next column's (0 for the last column)."""
+    return F.pad(ids[:, 1:], (0, 1))
+
+
+def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """For logits [R, W, V]: the log-probability of each column's target [R, W], and the
+    entropy of the distribution that predicts it."""
+    logp_all = F.log_softmax(logits.float(), dim=-1)
+    picked = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return picked, entropy

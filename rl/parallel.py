@@ -36,6 +36,9 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
+
+from rl.expert_parallel import apply_expert_parallel
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,10 @@ class ParallelDims:
                 f"dp_replicate x dp_shard x cp = {self.dp_replicate} x {self.dp_shard} x "
                 f"{self.cp} = {product}, but the trainer has {self.world} ranks"
             )
-        if (self.dp_shard * self.cp) % self.ep:
+        if self.dp_shard % self.ep:
             raise ValueError(
-                f"parallel.trainer.ep={self.ep}: must divide dp_shard x cp = "
-                f"{self.dp_shard} x {self.cp} (EP borrows those ranks)"
+                f"parallel.trainer.ep={self.ep}: must divide dp_shard={self.dp_shard} "
+                "(expert parallelism borrows data-parallel ranks)"
             )
 
     @property
@@ -71,12 +74,20 @@ class ParallelDims:
 
     @property
     def fsdp_dims(self) -> tuple[str, ...]:
-        """Mesh dimensions FSDP shards over: one (FSDP) or two (HSDP: replicate, shard)."""
-        return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
+        """Mesh dimensions FSDP shards the dense weights over: every rank that holds the same
+        weights (dp_shard and cp, flattened), and for HSDP the replicas in front."""
+        return ("dp_replicate", "dp_shard_cp") if self.dp_replicate > 1 else ("dp_shard_cp",)
 
-    def shard_degree(self) -> int:
-        """Ranks one weight is split over (the parameter bytes per rank shrink by this)."""
-        return self.dp_shard
+    @property
+    def expert_fsdp_dims(self) -> tuple[str, ...]:
+        """Mesh dimensions FSDP shards an EP rank's experts over: the ranks with the same
+        experts (dp_shard / ep, and cp), and for HSDP the replicas in front."""
+        return ("dp_replicate", "efsdp_cp") if self.dp_replicate > 1 else ("efsdp_cp",)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: ranks that train on different samples (CP ranks share theirs)."""
+        return self.world // self.cp
 
 
 def from_config(par: Any, world: int) -> ParallelDims:
@@ -86,15 +97,27 @@ def from_config(par: Any, world: int) -> ParallelDims:
     return ParallelDims(par.dp_replicate, dp_shard, par.cp, par.ep, world)
 
 
+MESH_DIMS = ("dp_replicate", "efsdp", "cp", "ep")
+
+
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
-    if dims.cp > 1 or dims.ep > 1:
-        raise NotImplementedError(
-            f"parallel.trainer cp={dims.cp} ep={dims.ep}: context and expert parallelism are not "
-            "in the trainer yet; use dp_replicate and dp_shard"
-        )
-    return init_device_mesh(
-        device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
-    )
+    """The world as (dp_replicate, efsdp, cp, ep), where efsdp x ep = dp_shard, with two
+    flattened views: `dp_shard_cp` (efsdp, cp, ep) for the dense weights and `efsdp_cp`
+    (efsdp, cp) for the experts. EP is innermost, so each flattened view is contiguous."""
+    shape = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.cp, dims.ep)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh["efsdp", "cp", "ep"]._flatten("dp_shard_cp")
+    mesh["efsdp", "cp"]._flatten("efsdp_cp")
+    return mesh
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """Which share of the batch this rank trains on: its place among (dp_replicate, efsdp,
+    ep); the ranks of one CP group share a share."""
+    rank = 0
+    for name in ("dp_replicate", "efsdp", "ep"):
+        rank = rank * mesh[name].size() + mesh[name].get_local_rank()
+    return rank
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -120,9 +143,13 @@ def apply_fsdp(
     if cpu_offload and not torch.cuda.is_available():
         raise ValueError("trainer.cpu_offload=true moves GPU state to the host; there is no GPU")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs: dict[str, Any] = {"mesh": mesh[dims.fsdp_dims], "mp_policy": policy}
+    kwargs: dict[str, Any] = {"mp_policy": policy}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if dims.ep > 1:  # experts first: split over ep, then sharded over the ranks sharing them
+        for experts in apply_expert_parallel(model, mesh["ep"]):
+            fully_shard(experts, mesh=mesh[dims.expert_fsdp_dims], **kwargs)
+    kwargs["mesh"] = mesh[dims.fsdp_dims]
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -142,6 +169,28 @@ def sum_gradients(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, dims: ParallelDims) -> float:
+    """Scale gradients so that their global norm is at most `max_norm`; returns the norm
+    before clipping. Within one replica the ranks' gradient shards (FSDP's, and EP's expert
+    slices) tile every parameter exactly once, so the squares are summed over all ranks and
+    divided by the number of replicas; DTensors over different meshes never meet."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local:
+        squares += g.detach().float().pow(2).sum()
+    if dims.sharded:
+        dist.all_reduce(squares)
+        squares /= dims.dp_replicate
+    norm = squares.sqrt()
+    scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    if scale < 1.0:
+        for g in local:
+            g.mul_(scale)
+    return float(norm)
 
 
 def local_parameter_bytes(model: torch.nn.Module) -> int:

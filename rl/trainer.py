@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from rl import parallel, wire
 from rl.algorithms import LOSSES, loss_stats, reduce
+from rl.context_parallel import ContextParallel
 from rl.envs import Example, make_environment
 from rl.model import (
     COMPLETE,
@@ -134,10 +135,18 @@ class Trainer:
         self.model = load_model(base, dtype=cfg.model.dtype)
         self.tokenizer = load_tokenizer(base)
         self.dims = parallel.from_config(cfg.parallel.trainer, self.world)
+        # Data-parallel rank and world: which share of each batch this rank trains on (the
+        # ranks of one CP group share theirs, EP ranks have their own).
+        self.dp_rank, self.dp_world = 0, self.dims.dp
+        self.cp: ContextParallel | None = None
         if cfg.trainer.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if self.dims.sharded:
             mesh = parallel.build_mesh(self.dims)
+            self.dp_rank = parallel.data_parallel_rank(mesh)
+            if self.dims.cp > 1:
+                self.cp = ContextParallel(mesh["cp"])
+                self.cp.enable(self.model)
             parallel.apply_fsdp(self.model, mesh, self.dims, cpu_offload=cfg.trainer.cpu_offload)
         self.log.info(
             "mesh %s: %.1f MB of parameters on this rank",
@@ -172,12 +181,12 @@ class Trainer:
         t0 = time.monotonic()
         for step in range(cfg.steps):
             picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
-            mine = picks[self.rank :: self.world]
+            mine = picks[self.dp_rank :: self.dp_world]
             ids, attention, completion = sft_batch(self.tokenizer, [examples[i] for i in mine])
             logp, _ = token_logprobs(self.model, ids, attention)
             total = completion.sum().float()
             if self.world > 1:  # normalised by the whole batch's tokens, gradients summed
-                dist.all_reduce(total)
+                dist.all_reduce(total)  # (CP ranks count theirs cp times: they add cp grads)
             loss = -(logp * completion).sum() / total
             optimizer.zero_grad()
             loss.backward()
@@ -191,8 +200,8 @@ class Trainer:
         """This rank's shard of step `step` (long-polls until the queue has assembled it)."""
         params = {
             "step": step,
-            "rank": self.rank,
-            "world": self.world,
+            "rank": self.dp_rank,
+            "world": self.dp_world,
             "wait": 10,
             "micro_tokens": self.cfg.trainer.micro_batch_tokens,
         }
@@ -211,6 +220,7 @@ class Trainer:
         counts = torch.tensor([float(sum(map(trained_tokens, samples))), float(len(samples))])
         if self.world > 1:
             dist.all_reduce(counts)
+            counts /= self.dims.cp  # each CP group's ranks hold the same samples
         tokens, sequences = counts.tolist()
         return {
             "tokens": max(tokens, 1.0),
@@ -241,6 +251,8 @@ class Trainer:
 
     def logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token log-probabilities and entropies of a micro-batch, packed or padded."""
+        if self.cp is not None and model is self.model:
+            return packed_logprobs(model, mb["sequences"], self.cp, self.cfg.trainer.packing)
         if self.cfg.trainer.packing:
             return packed_logprobs(model, mb["sequences"])
         return token_logprobs(model, mb["ids"], mb["attention"])
@@ -292,9 +304,7 @@ class Trainer:
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
             ratio_min = min(ratio_min, float(stats["ratio_min"]))
         self.reduce_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = parallel.clip_grad_norm(self.model, algo.max_grad_norm, self.dims)
         self.optimizer.step()
         return {
             **sums,
@@ -451,11 +461,11 @@ class Trainer:
             "queue/depth": batch["depth"],
             "micro_batches": len(batch["micro_batches"]),
             "versions": sorted({s["min_version"] for s in samples}),
-            "samples": len(samples) * self.world,
+            "samples": len(samples) * self.dp_world,
             "time/step": elapsed,
             "time/wait_batch": t_fetch,
-            "throughput/tokens_per_s": tokens * self.world / elapsed,
-            "throughput/samples_per_s": len(samples) * self.world / elapsed,
+            "throughput/tokens_per_s": tokens * self.dp_world / elapsed,
+            "throughput/samples_per_s": len(samples) * self.dp_world / elapsed,
             "timestamp": time.time(),
             **env_metrics(samples),
         }

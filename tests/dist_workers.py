@@ -40,8 +40,9 @@ def _trainer(rank: int, world: int, init_file: str, run_dir: str) -> Trainer:
     return Trainer(Path(run_dir))
 
 
-def _mine(samples: list[dict[str, Any]], rank: int, world: int) -> list[dict[str, Any]]:
-    return samples[rank::world]
+def _mine(samples: list[dict[str, Any]], trainer: Trainer) -> list[dict[str, Any]]:
+    """This rank's share of a batch (the ranks of a CP group get the same share)."""
+    return samples[trainer.dp_rank :: trainer.dp_world]
 
 
 def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -54,9 +55,9 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> None:
     """One training step on this rank's share of 8 samples; rank 0 saves the whole batch's
-    loss, the full gradients and every rank's parameter bytes."""
+    loss, the gradient norm, the full gradients and every rank's parameter bytes."""
     trainer = _trainer(rank, world, init_file, run_dir)
-    mine = _mine(synthetic_samples(8, seed=0), rank, world)
+    mine = _mine(synthetic_samples(8, seed=0), trainer)
     kept = [0]  # elements of the tensors autograd keeps for the backward pass
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,12 +67,14 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         stats = trainer.train_step(mine, [list(range(len(mine)))])
     loss = torch.tensor([stats["loss"]])
-    dist.all_reduce(loss)
+    dist.all_reduce(loss)  # the ranks of a CP group each hold their share's whole loss
+    loss /= trainer.dims.cp
     grads = full_gradients(trainer)
     sizes = [None] * world
     dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
     if rank == 0:
-        torch.save({"loss": loss.item(), "grads": grads, "bytes": sizes, "kept": kept[0]}, out)
+        saved = {"loss": loss.item(), "grad_norm": stats["grad_norm"], "grads": grads}
+        torch.save({**saved, "bytes": sizes, "kept": kept[0]}, out)
     dist.destroy_process_group()
 
 
@@ -79,7 +82,7 @@ def uneven_micro_batches(rank: int, world: int, init_file: str, run_dir: str, ou
     """Rank 0 takes its 4 samples in 4 micro-batches, rank 1 in one: the step completes and
     the gradients are the same as with even ones."""
     trainer = _trainer(rank, world, init_file, run_dir)
-    mine = _mine(synthetic_samples(8, seed=0), rank, world)
+    mine = _mine(synthetic_samples(8, seed=0), trainer)
     parts = [[i] for i in range(len(mine))] if rank == 0 else [list(range(len(mine)))]
     trainer.train_step(mine, parts)
     grads = full_gradients(trainer)
@@ -98,7 +101,7 @@ def steps(
     if first > 1:
         assert trainer.resume() == first - 1
     for step in range(first, last + 1):
-        batch = _mine(synthetic_samples(8, seed=step), rank, world)
+        batch = _mine(synthetic_samples(8, seed=step), trainer)
         trainer.train_step(batch, [list(range(len(batch)))])
         if step == 2:
             trainer.checkpoint(step)

@@ -19,6 +19,10 @@ FITS = {
     "qwen3_30b_a3b": ("fsdp", "hsdp", "tp", "ep8", "cp2"),
     "minimax_m2": ("ep8",),
     "glm5": ("ep8",),
+    # Tiny random instances of the MoE families (the trainer's EP tests run them on CPU).
+    "tiny_qwen3_moe": ("single", "fsdp", "hsdp", "ep8"),
+    "tiny_glm5": ("single", "fsdp", "ep8"),
+    "tiny_minimax_m2": ("single", "hsdp", "ep8"),
 }
 LONG = "environment.max_tokens=4096"  # context parallelism needs long sequences
 
@@ -104,7 +108,7 @@ def test_local_fsdp_two_cpu_processes() -> None:
                 "parallel.trainer.ep=32",
                 "parallel.trainer.nodes=2",
             ],
-            "parallel.trainer.ep=32: must divide dp_shard x cp = 16 x 1",
+            "parallel.trainer.ep=32: must divide dp_shard=16",
         ),
         (
             [
