@@ -170,6 +170,13 @@ def load_state_dict_in_place(model: Any, path: Path) -> None:
     state: dict[str, Any] = {}
     for file in files:
         state.update(load_file(file))
+    if not state.keys() <= model.state_dict().keys():
+        # Saved in the published layout, which transformers converts on load (MoE experts are
+        # stored one tensor per expert and held stacked): read it through that conversion.
+        from transformers import AutoModelForCausalLM
+
+        converted = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype)
+        state = converted.state_dict()
     current = model.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
     # Tied weights (lm_head = embedding) are saved once; a key sharing storage is not missing.

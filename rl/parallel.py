@@ -16,6 +16,7 @@ weights for an HF-layout export on rank 0.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,15 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     return mesh
 
 
+def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]`, where names may be flattened views. torch 2.13 warns that slicing those
+    from the root will be deprecated; HSDP with EP needs (dp_replicate, efsdp_cp) on the root
+    mesh that also holds `ep`, which only that slicing gives today."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]
+
+
 def data_parallel_rank(mesh: DeviceMesh) -> int:
     """Which share of the batch this rank trains on: its place among (dp_replicate, efsdp,
     ep); the ranks of one CP group share a share."""
@@ -148,8 +158,8 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy()
     if dims.ep > 1:  # experts first: split over ep, then sharded over the ranks sharing them
         for experts in apply_expert_parallel(model, mesh["ep"]):
-            fully_shard(experts, mesh=mesh[dims.expert_fsdp_dims], **kwargs)
-    kwargs["mesh"] = mesh[dims.fsdp_dims]
+            fully_shard(experts, mesh=_submesh(mesh, dims.expert_fsdp_dims), **kwargs)
+    kwargs["mesh"] = _submesh(mesh, dims.fsdp_dims)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

@@ -108,14 +108,26 @@ def test_run_directory_and_metrics(tmp_path: Path, cache: Path) -> None:
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
-def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [(), ("model=tiny_qwen3_moe", "parallel.trainer.ep=2")],
+    ids=["fsdp2", "fsdp2-ep2-moe"],
+)
+def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path, layout: tuple) -> None:
+    """Two trainer ranks through the launcher: FSDP, and expert parallelism on a MoE model
+    (whose published per-expert checkpoints the inference server loads)."""
     run_dir = tmp_path / "run"
-    overrides = ("max_steps=6", "parallel=fsdp", "parallel.trainer.dp_shard=2")
+    overrides = ("max_steps=6", "parallel=fsdp", "parallel.trainer.dp_shard=2", *layout)
     records = run_to_end(run_dir, cache, *overrides, WANDB_MODE="disabled")
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "eval/exact_match" in r][-1] == 6
     log = (run_dir / "logs" / "trainer.log").read_text()
+    ep = 2 if layout else 1
     for rank in (0, 1):
-        assert f"trainer-{rank} INFO mesh ParallelDims(dp_replicate=1, dp_shard=2" in log
+        assert (
+            f"trainer-{rank} INFO mesh ParallelDims(dp_replicate=1, dp_shard=2, cp=1, ep={ep}"
+            in log
+        )
     assert (run_dir / "weights" / "step_6" / "model.safetensors").exists()
     shards = list((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
     assert len(shards) == 2  # one file per rank
