@@ -110,3 +110,12 @@ def steps(
         if rank == 0:
             torch.save(state, f"{out}_{step}.pt")
     dist.destroy_process_group()
+
+
+def in_sequence(rank: int, world: int, jobs: list[tuple[str, str, str, tuple]]) -> None:
+    """Several of the bodies above, one after another in the same ranks: (body name, init
+    file, run directory, extra arguments) each; every body sets up and tears down its own
+    process group. On CPU a spawn costs mostly imports (torch, transformers: seconds per
+    rank), which this pays once per world size instead of once per layout."""
+    for name, init_file, run_dir, args in jobs:
+        globals()[name](rank, world, init_file, run_dir, *args)

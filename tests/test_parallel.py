@@ -14,7 +14,7 @@ percents).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +38,11 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
-def run_ranks(
-    world: int, tmp: Path, fn: Callable[..., None], *overrides: str, args: tuple = ()
-) -> Path:
-    """Spawn `world` ranks of `fn` on a fresh run directory; returns the run directory."""
+def prepare(tmp: Path, name: str, *overrides: str) -> tuple[Path, Path]:
+    """A fresh run directory for one layout, and the init file its ranks meet at."""
     cfg = compose_run(*overrides, "algorithm.max_grad_norm=1e9")
-    run_dir = write_run_dir(tmp / f"run_{world}_{len(list(tmp.iterdir()))}", cfg, TOKEN)
-    init = tmp / f"init_{run_dir.name}"
-    mp.spawn(fn, args=(world, str(init), str(run_dir), *args), nprocs=world, join=True)
-    return run_dir
+    run_dir = write_run_dir(tmp / name, cfg, TOKEN)
+    return run_dir, tmp / f"init_{name}"
 
 
 def assert_same_gradients(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -56,68 +52,55 @@ def assert_same_gradients(got: dict[str, Any], want: dict[str, Any]) -> None:
         torch.testing.assert_close(got[name], grad, rtol=0, atol=RTOL * scale, msg=name)
 
 
-@pytest.fixture(scope="module")
-def references(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
-    """One step of a single process, per model (computed once, on first use)."""
-    done: dict[str, Any] = {}
-
-    def reference(model: str) -> Any:
-        if model not in done:
-            tmp = tmp_path_factory.mktemp(f"reference_{model}")
-            out = tmp / "one.pt"
-            run_ranks(1, tmp, dist_workers.one_step, f"model={model}", "parallel=single",
-                      args=(str(out),))  # fmt: skip
-            done[model] = torch.load(out)
-        return done[model]
-
-    return reference
-
-
-@pytest.fixture(scope="module")
-def reference(references: Callable[[str], Any]) -> Any:
-    return references("tiny")
-
-
 EP = "parallel.trainer.ep=2"
+AC = "trainer.activation_checkpointing=true"
+# Layouts whose one step is compared with a single process: id -> (world, model, options,
+# shards: the degree each weight is split over).
+LAYOUTS = {
+    "fsdp2": (2, "tiny", ["parallel=fsdp"], 2),
+    "hsdp2x2": (4, "tiny", ["parallel=hsdp"], 2),
+    "fsdp2-checkpointing": (
+        2,
+        "tiny",
+        ["parallel=fsdp", "trainer.activation_checkpointing=true"],
+        2,
+    ),
+    "ep2-qwen3moe": (2, "tiny_qwen3_moe", ["parallel=fsdp", EP], 2),
+    "efsdp2xep2-glm5": (4, "tiny_glm5", ["parallel=fsdp", EP], 4),
+    "hsdp2-ep2-minimax": (4, "tiny_minimax_m2", ["parallel=hsdp", EP], 2),
+    "cp2": (2, "tiny", ["parallel=cp2"], 2),
+    "fsdp2xcp2-unpacked": (4, "tiny", ["parallel=cp2", "trainer.packing=false"], 4),
+}
 
 
-@pytest.mark.parametrize(
-    ("world", "model", "options", "shards"),
-    [
-        (2, "tiny", ["parallel=fsdp"], 2),
-        (4, "tiny", ["parallel=hsdp"], 2),
-        (2, "tiny", ["parallel=fsdp", "trainer.activation_checkpointing=true"], 2),
-        (2, "tiny_qwen3_moe", ["parallel=fsdp", EP], 2),
-        (4, "tiny_glm5", ["parallel=fsdp", EP], 4),
-        (4, "tiny_minimax_m2", ["parallel=hsdp", EP], 2),
-        (2, "tiny", ["parallel=cp2"], 2),
-        (4, "tiny", ["parallel=cp2", "trainer.packing=false"], 4),
-    ],
-    ids=[
-        "fsdp2",
-        "hsdp2x2",
-        "fsdp2-checkpointing",
-        "ep2-qwen3moe",
-        "efsdp2xep2-glm5",
-        "hsdp2-ep2-minimax",
-        "cp2",
-        "fsdp2xcp2-unpacked",
-    ],
-)
-def test_one_step_matches_a_single_process(
-    references: Callable[[str], Any],
-    tmp_path: Path,
-    world: int,
-    model: str,
-    options: list[str],
-    shards: int,
-) -> None:
-    want = references(model)
-    out = tmp_path / "out.pt"
-    run_ranks(world, tmp_path, dist_workers.one_step, f"model={model}", *options,
-              args=(str(out),))  # fmt: skip
-    got = torch.load(out)
-    if "trainer.activation_checkpointing=true" in options:  # blocks keep only their inputs
+@pytest.fixture(scope="module")
+def steps(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What every layout's step produced (and one process's, per model, as `single-<model>`;
+    and two ranks with uneven micro-batches, as `uneven`): ranks spawned once per world size."""
+    tmp = tmp_path_factory.mktemp("steps")
+    runs: dict[int, list[tuple[str, str, str, tuple]]] = {}
+    outs: dict[str, Path] = {}
+
+    def add(world: int, name: str, body: str, *overrides: str) -> None:
+        run_dir, init = prepare(tmp, name, *overrides)
+        outs[name] = tmp / f"{name}.pt"
+        runs.setdefault(world, []).append((body, str(init), str(run_dir), (str(outs[name]),)))
+
+    for model in sorted({model for _, model, _, _ in LAYOUTS.values()}):
+        add(1, f"single-{model}", "one_step", f"model={model}", "parallel=single")
+    for name, (world, model, options, _) in LAYOUTS.items():
+        add(world, name, "one_step", f"model={model}", *options)
+    add(2, "uneven", "uneven_micro_batches", "parallel=fsdp")
+    for world, jobs in runs.items():
+        mp.spawn(dist_workers.in_sequence, args=(world, jobs), nprocs=world, join=True)
+    return {name: torch.load(out) for name, out in outs.items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_step_matches_a_single_process(steps: dict[str, Any], layout: str) -> None:
+    world, model, options, shards = LAYOUTS[layout]
+    want, got = steps[f"single-{model}"], steps[layout]
+    if AC in options:  # blocks keep only their inputs
         assert got["kept"] < want["kept"] / 4, (got["kept"], want["kept"])
     assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL)
@@ -130,48 +113,58 @@ def test_one_step_matches_a_single_process(
         assert whole / shards * 0.95 - 4096 <= held <= whole / shards * 1.05 + 4096, held
 
 
-def test_ranks_with_different_micro_batch_counts_step_together(
-    reference: dict[str, Any], tmp_path: Path
-) -> None:
-    out = tmp_path / "out.pt"
-    run_ranks(2, tmp_path, dist_workers.uneven_micro_batches, "parallel=fsdp", args=(str(out),))
-    assert_same_gradients(torch.load(out)["grads"], reference["grads"])
+def test_ranks_with_different_micro_batch_counts_step_together(steps: dict[str, Any]) -> None:
+    assert_same_gradients(steps["uneven"]["grads"], steps["single-tiny"]["grads"])
 
 
-@pytest.mark.parametrize(
-    ("model", "options"),
-    [("tiny", ["parallel=fsdp"]), ("tiny_qwen3_moe", ["parallel=fsdp", EP])],
-    ids=["fsdp2", "ep2-qwen3moe"],
-)
-def test_checkpoint_resumes_into_the_same_steps(
-    cache: Path, tmp_path: Path, model: str, options: list[str]
-) -> None:
+# Checkpointed layouts: id -> (model, options).
+CHECKPOINTED = {
+    "fsdp2": ("tiny", ["parallel=fsdp"]),
+    "ep2-qwen3moe": ("tiny_qwen3_moe", ["parallel=fsdp", EP]),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per checkpointed layout, its run directory and files `<run>/<phase>_<step>.pt` of the
+    whole weights after each step: `straight` (two ranks, steps 1-4, checkpoint after 2),
+    `again_2` (two ranks resuming, steps 3-4), `again_1` (one process, parallel=single, step
+    3). Each phase runs every layout in one spawn."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    runs: dict[str, Path] = {}
+    straight, again, single = [], [], []
+    for name, (model, options) in CHECKPOINTED.items():
+        run_dir, init = prepare(tmp, name, f"model={model}", *options)
+        runs[name] = run_dir
+        straight.append(("steps", str(init), str(run_dir), (f"{run_dir}/straight", 1, 4)))
+        again.append(("steps", f"{init}_again", str(run_dir), (f"{run_dir}/again_2", 3, 4)))
+        one, one_init = prepare(tmp, f"{name}_single", f"model={model}", "parallel=single")
+        single.append(("steps", str(one_init), str(one), (f"{run_dir}/again_1", 3, 3)))
+    mp.spawn(dist_workers.in_sequence, args=(2, straight), nprocs=2, join=True)
+    for name, run_dir in runs.items():  # the single process resumes the 2-rank checkpoint
+        shutil.copytree(run_dir / "checkpoints", tmp / f"{name}_single" / "checkpoints")
+    mp.spawn(dist_workers.in_sequence, args=(2, again), nprocs=2, join=True)
+    mp.spawn(dist_workers.in_sequence, args=(1, single), nprocs=1, join=True)
+    return runs
+
+
+@pytest.mark.parametrize("layout", list(CHECKPOINTED))
+def test_checkpoint_resumes_into_the_same_steps(resumed: dict[str, Path], layout: str) -> None:
     """Two ranks train steps 1-4, checkpointing after step 2; from that checkpoint two ranks
     train steps 3-4 again, and one process (parallel=single: whole experts) trains step 3:
     each lands on the same weights."""
-    straight = tmp_path / "straight"
-    run_dir = run_ranks(
-        2, tmp_path, dist_workers.steps, f"model={model}", *options, args=(str(straight), 1, 4)
-    )
+    run_dir = resumed[layout]
     assert (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists()
     # The HF export (per-expert tensors, as published checkpoints store them) loads back into
     # the step's whole weights.
     exported = load_model(run_dir / "weights" / "step_2", dtype="float32").state_dict()
-    whole = torch.load(f"{straight}_2.pt")
+    whole = torch.load(run_dir / "straight_2.pt")
     assert exported.keys() == whole.keys()
     assert all(torch.equal(exported[k], whole[k]) for k in whole), "export differs"
-    single = write_run_dir(
-        tmp_path / "single",
-        compose_run(f"model={model}", "parallel=single", "algorithm.max_grad_norm=1e9"),
-        TOKEN,
-    )
-    shutil.copytree(run_dir / "checkpoints", single / "checkpoints")
-    for world, last, resumed in ((2, 4, run_dir), (1, 3, single)):
-        again = tmp_path / f"again_{world}"
-        args = (world, str(tmp_path / f"init_again_{world}"), str(resumed), str(again), 3, last)
-        mp.spawn(dist_workers.steps, args=args, nprocs=world, join=True)
+    for world, last in ((2, 4), (1, 3)):
         for step in range(3, last + 1):
-            want, got = torch.load(f"{straight}_{step}.pt"), torch.load(f"{again}_{step}.pt")
+            want = torch.load(run_dir / f"straight_{step}.pt")
+            got = torch.load(run_dir / f"again_{world}_{step}.pt")
             assert want.keys() == got.keys()
             for name, tensor in want.items():
                 # Same world: bit for bit; one process: float32 rounding of the other order.
