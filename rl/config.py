@@ -58,6 +58,12 @@ class Action(StrEnum):
     cancel = "cancel"
 
 
+class TrainerDevice(StrEnum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
 class Backend(StrEnum):
     embedded = "embedded"
     vllm = "vllm"
@@ -388,6 +394,9 @@ class TrainerConfig:
     packing: bool = True
     """Pack a micro-batch's samples into rows as long as its longest sample, with attention
     kept inside each sample (rl/packing.py); False pads one sample per row."""
+    device: TrainerDevice = TrainerDevice.auto
+    """Where each rank computes: `auto` (its GPU when the cluster has GPUs and torch sees them,
+    else the CPU), `cuda` or `cpu` (gloo collectives)."""
 
 
 @dataclass

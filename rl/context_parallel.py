@@ -122,7 +122,9 @@ class ContextParallel:
             extra = padded - width
             ids = F.pad(ids, (0, extra))
             positions = F.pad(positions, (0, extra))
-            mask = F.pad(mask, (0, extra, 0, extra)) | torch.eye(padded, dtype=torch.bool)
+            mask = F.pad(mask, (0, extra, 0, extra)) | torch.eye(
+                padded, dtype=torch.bool, device=ids.device
+            )
         targets = next_tokens(ids)  # shifted before the cut
         lo, hi = self.rank * chunk, (self.rank + 1) * chunk
         logits = model(

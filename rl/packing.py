@@ -47,6 +47,7 @@ def packed_logprobs(
     lengths = [len(s) for s in sequences]
     width = max(lengths)
     rows = pack_rows(lengths, width) if pack else [[i] for i in range(len(sequences))]
+    device = model.get_input_embeddings().weight.device
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     segment = torch.full((len(rows), width), -1, dtype=torch.long)
@@ -60,17 +61,18 @@ def packed_logprobs(
             segment[r, at : at + n] = i
             where[i] = (r, at)
             at += n
-    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    ids, positions, segment = ids.to(device), positions.to(device), segment.to(device)
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
     # Padding rows attend to themselves only, so no softmax row is empty.
-    mask = (same & causal) | torch.eye(width, dtype=torch.bool)
+    mask = (same & causal) | torch.eye(width, dtype=torch.bool, device=device)
     if cp is None:
         logits = model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None]).logits
         picked, predicting_entropy = next_token_logprobs(logits, next_tokens(ids))
     else:
         picked, predicting_entropy = cp.next_token_logprobs(model, ids, positions, mask)
-    logp = torch.zeros((len(sequences), width))
-    entropy = torch.zeros((len(sequences), width))
+    logp = torch.zeros((len(sequences), width), device=device)
+    entropy = torch.zeros((len(sequences), width), device=device)
     for i, (r, at) in enumerate(where):
         n = lengths[i]
         logp[i, 1:n] = picked[r, at : at + n - 1]

@@ -117,6 +117,21 @@ def env_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(v) / len(v) for key, v in values.items()}
 
 
+def rank_device(cfg: Any) -> torch.device:
+    """This rank's device: `trainer.device`, where `auto` is the GPU torchrun's LOCAL_RANK
+    names when the cluster has GPUs (`cluster.gpus_per_node`) and torch sees them, else the
+    CPU."""
+    choice = str(cfg.trainer.device)
+    gpus = cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available()
+    if choice == "cpu" or (choice == "auto" and not gpus):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda: torch sees no CUDA device on this node")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 # A one-token sample for a pass that contributes nothing.
 IDLE = [{"prompt_ids": [0], "completion_ids": [0], "logprobs": [0.0], "advantage": 0.0}]
 
@@ -132,7 +147,8 @@ class Trainer:
             ensure_checkpoint(cfg.model, seed=cfg.seed)
         dist.barrier()
         self.base = base = ensure_checkpoint(cfg.model, seed=cfg.seed)
-        self.model = load_model(base, dtype=cfg.model.dtype)
+        self.device = rank_device(cfg)
+        self.model = load_model(base, dtype=cfg.model.dtype, device=self.device)
         self.tokenizer = load_tokenizer(base)
         self.dims = parallel.from_config(cfg.parallel.trainer, self.world)
         # Data-parallel rank and world: which share of each batch this rank trains on (the
@@ -142,7 +158,7 @@ class Trainer:
         if cfg.trainer.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if self.dims.sharded:
-            mesh = parallel.build_mesh(self.dims)
+            mesh = parallel.build_mesh(self.dims, self.device.type)
             self.dp_rank = parallel.data_parallel_rank(mesh)
             if self.dims.cp > 1:
                 self.cp = ContextParallel(mesh["cp"])
@@ -182,7 +198,8 @@ class Trainer:
         for step in range(cfg.steps):
             picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
             mine = picks[self.dp_rank :: self.dp_world]
-            ids, attention, completion = sft_batch(self.tokenizer, [examples[i] for i in mine])
+            batch = sft_batch(self.tokenizer, [examples[i] for i in mine])
+            ids, attention, completion = (t.to(self.device) for t in batch)
             logp, _ = token_logprobs(self.model, ids, attention)
             total = completion.sum().float()
             if self.world > 1:  # normalised by the whole batch's tokens, gradients summed
@@ -240,12 +257,15 @@ class Trainer:
             inference_logp[row, start : start + len(s["logprobs"])] = torch.as_tensor(s["logprobs"])
             for begin, end in s.get("env_spans", ()):  # an environment's turns carry no loss
                 completion[row, start + begin : start + end] = False
-        return {
+        tensors = {
             "ids": ids,
             "attention": attention,
             "mask": completion,
             "inference_logprobs": inference_logp,
             "advantages": torch.tensor([float(s["advantage"]) for s in part]),
+        }
+        return {
+            **{key: t.to(self.device) for key, t in tensors.items()},
             "sequences": [s["prompt_ids"] + s["completion_ids"] for s in part],
         }
 
@@ -341,7 +361,7 @@ class Trainer:
 
     def make_reference(self, state: dict[str, Any] | None = None) -> Any:
         """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
-        reference = load_model(self.base, dtype=self.cfg.model.dtype)
+        reference = load_model(self.base, dtype=self.cfg.model.dtype, device=self.device)
         reference.load_state_dict(
             state if state is not None else parallel.full_state_dict(self.model)
         )
@@ -489,7 +509,9 @@ def main() -> None:
     die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         sys.exit("trainer: torchrun exited before this rank started")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo"
+    if rank_device(load_run_config(args.run_dir)).type == "cuda":
+        backend = "cpu:gloo,cuda:nccl"  # NCCL for GPU tensors, gloo for small CPU ones
     dist.init_process_group(backend)
     try:
         Trainer(args.run_dir).run()

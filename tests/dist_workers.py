@@ -47,7 +47,7 @@ def _mine(samples: list[dict[str, Any]], trainer: Trainer) -> list[dict[str, Any
 
 def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {
-        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).cpu()
         for name, p in trainer.model.named_parameters()
         if p.grad is not None
     }
@@ -74,6 +74,7 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
     if rank == 0:
         saved = {"loss": loss.item(), "grad_norm": stats["grad_norm"], "grads": grads}
+        saved["device"] = trainer.device.type
         torch.save({**saved, "bytes": sizes, "kept": kept[0]}, out)
     dist.destroy_process_group()
 

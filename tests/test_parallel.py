@@ -40,7 +40,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def prepare(tmp: Path, name: str, *overrides: str) -> tuple[Path, Path]:
     """A fresh run directory for one layout, and the init file its ranks meet at."""
-    cfg = compose_run(*overrides, "algorithm.max_grad_norm=1e9")
+    cfg = compose_run("trainer.device=cpu", *overrides, "algorithm.max_grad_norm=1e9")
     run_dir = write_run_dir(tmp / name, cfg, TOKEN)
     return run_dir, tmp / f"init_{name}"
 
@@ -184,3 +184,22 @@ def test_parallel_dims_are_checked_without_a_mesh() -> None:
         ParallelDims(1, 0, 1, 1, 0)
     hsdp = compose_run("parallel=hsdp").parallel.trainer
     assert from_config(hsdp, 8) == ParallelDims(2, 4, 1, 1, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny", "tiny_qwen3_moe"])
+def test_one_step_on_a_gpu_matches_the_cpu(
+    steps: dict[str, Any], tmp_path: Path, model: str
+) -> None:
+    """The trainer on this machine's GPU (one process): the loss and gradients of the CPU's
+    step. GPU kernels sum in other orders (SDPA, matmul tiling): 1e-4 of the largest gradient."""
+    cuda = ("trainer.device=cuda",)
+    run_dir, init = prepare(tmp_path, "gpu", f"model={model}", "parallel=single", *cuda)
+    out = tmp_path / "gpu.pt"
+    mp.spawn(dist_workers.one_step, args=(1, str(init), str(run_dir), str(out)), nprocs=1)
+    got, want = torch.load(out), steps[f"single-{model}"]
+    assert got["device"] == "cuda" and want["device"] == "cpu"
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    scale = max(g.abs().max().item() for g in want["grads"].values())
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-4 * scale, msg=name)
