@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rl.config import Backend, ClusterKind
+from rl.config import Backend, BroadcastBackend, ClusterKind, WeightTransport
 from rl.envs import REGISTRY as ENVIRONMENTS
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
@@ -26,6 +26,8 @@ TRAIN_MEMORY_FRACTION = 0.8
 INFERENCE_WEIGHT_FRACTION = 0.8
 # Fewest tokens per context-parallel rank for which splitting a sequence pays off.
 MIN_TOKENS_PER_CP_RANK = 64
+# vLLM worker methods that receive broadcast weights (inference.weight_transport=broadcast).
+VLLM_WORKER_EXTENSION = "rl.weight_sync.VllmWorkerExtension"
 # KV cache a vLLM CPU server reserves (the tiny models served on CPU need far less).
 CPU_KV_CACHE_BYTES = 512 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -278,7 +280,29 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
     if kv_role:
         transfer = {"kv_connector": serve.kv_connector, "kv_role": kv_role}
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    if cfg.inference.weight_transport == WeightTransport.broadcast:
+        args += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
     return args
+
+
+def _check_weight_transport(cfg: DictConfig) -> None:
+    inf = cfg.inference
+    if inf.weight_transport != WeightTransport.broadcast:
+        return
+    if inf.broadcast_timeout_s <= 0:
+        _fail(f"inference.broadcast_timeout_s={inf.broadcast_timeout_s}", "must be > 0")
+    if inf.broadcast_backend == BroadcastBackend.nccl and not cfg.cluster.gpus_per_node:
+        _fail(
+            "inference.broadcast_backend=nccl",
+            f"NCCL needs GPUs and cluster={cfg.cluster.name} has none "
+            f"(use gloo, or leave it unset to choose by the cluster)",
+        )
+    if _disaggregated(cfg):
+        _fail(
+            "inference.weight_transport=broadcast",
+            f"model={cfg.model.name} serves disaggregated prefill and decode replicas, which "
+            f"load weights from the filesystem only (use weight_transport=filesystem)",
+        )
 
 
 def _check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> None:
@@ -388,6 +412,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     mesh = _trainer_mesh(cfg, trainer_nodes)
     _check_trainer_memory(cfg, mesh)
     _check_cluster(cfg, trainer_nodes, replica_nodes)
+    _check_weight_transport(cfg)
 
     slurm = cfg.cluster.kind == ClusterKind.slurm
     gpus = cfg.cluster.gpus_per_node

@@ -69,6 +69,16 @@ class Backend(StrEnum):
     vllm = "vllm"
 
 
+class WeightTransport(StrEnum):
+    filesystem = "filesystem"
+    broadcast = "broadcast"
+
+
+class BroadcastBackend(StrEnum):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
 @dataclass
 class ModelInferenceConfig:
     """How inference servers should serve this model (vLLM settings a user would set)."""
@@ -347,6 +357,17 @@ class InferenceConfig:
     a separate environment); None uses the interpreter running Relay."""
     port: int = 0
     """Port to listen on; 0 picks a free one and records it in the run directory."""
+    weight_transport: WeightTransport = WeightTransport.filesystem
+    """How new weights reach inference: `filesystem` (the trainer writes `weights/step_N`, the
+    orchestrator has every server load it) or `broadcast` (trainer rank 0 sends them to every
+    inference worker over a process group of their own, no disk; `weights/step_N` is then
+    written only for version 0, checkpointed versions and the last one)."""
+    broadcast_backend: BroadcastBackend | None = None
+    """Process-group backend of `broadcast`: `nccl` (GPUs on both ends) or `gloo`; None: nccl
+    where the cluster has GPUs and the trainer sees CUDA, gloo otherwise."""
+    broadcast_timeout_s: float = 300.0
+    """Seconds a broadcast waits for an inference server (to join the group, to take the
+    weights, to report the new version) before the trainer fails naming it."""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 It serves CPU runs and small single-GPU runs without vLLM, and is the reference the vLLM backend
 is held to. One engine thread owns the model: it merges concurrent requests into one left-padded
-batch, decodes it with a KV cache, and applies weight swaps only between batches, so every
+batch, decodes it with a KV cache, and applies weight swaps only between batches (from
+`weights/step_N`, or received from the trainer's broadcast: rl/broadcast.py), so every
 response can name the single policy version that produced it.
 
     python -m rl.inference --run-dir D --replica I [-- vLLM args, for the vllm backend]
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel
 
+from rl.broadcast import add_routes
 from rl.config import Backend
 from rl.http import bearer_guard
 from rl.model import (
@@ -44,6 +46,7 @@ from rl.runtime import (
     setup_logging,
     write_address,
 )
+from rl.weight_sync import GroupSpec, WeightReceiver
 
 if TYPE_CHECKING:
     import torch
@@ -177,6 +180,11 @@ def load_state_dict_in_place(model: Any, path: Path) -> None:
 
         converted = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype)
         state = converted.state_dict()
+    load_state_in_place(model, state, f"checkpoint {path}")
+
+
+def load_state_in_place(model: Any, state: dict[str, Any], source: str) -> None:
+    """Copy `state` (HF names) into `model` once it is checked to match the served model."""
     current = model.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
     # Tied weights (lm_head = embedding) are saved once; a key sharing storage is not missing.
@@ -185,7 +193,7 @@ def load_state_dict_in_place(model: Any, path: Path) -> None:
     wrong = [k for k in state if k in current and state[k].shape != current[k].shape]
     if missing or unexpected or wrong:
         raise ValueError(
-            f"checkpoint {path} does not match the served model: missing {missing[:5]}, "
+            f"{source} does not match the served model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
         )
     model.load_state_dict(state, strict=False)
@@ -209,10 +217,12 @@ class CompletionJob:
 
 @dataclass
 class LoadJob:
-    """A weight swap, queued behind the requests that arrived before it."""
+    """A weight swap, queued behind the requests that arrived before it: from a checkpoint
+    directory, or (`receiver` set) from the trainer's broadcast."""
 
-    path: Path
+    path: Path | None
     version: int
+    receiver: WeightReceiver | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -279,15 +289,27 @@ class Engine:
         if not job.future.set_running_or_notify_cancel():
             return
         start = time.perf_counter()
+        source = job.path or "the trainer's broadcast"
         try:
-            load_state_dict_in_place(self.model, job.path)
+            if job.receiver is not None:
+                self._receive(job.receiver, job.version)
+            else:
+                load_state_dict_in_place(self.model, job.path)
         except Exception as exc:  # reported to the caller; the old weights stay in place
             job.future.set_exception(exc)
             return
         self.version = job.version
         seconds = time.perf_counter() - start
-        self.logger.info("loaded version %d from %s in %.2f s", job.version, job.path, seconds)
+        self.logger.info("loaded version %d from %s in %.2f s", job.version, source, seconds)
         job.future.set_result({"policy_version": self.version, "load_s": seconds})
+
+    def _receive(self, receiver: WeightReceiver, version: int) -> None:
+        """Take a whole update, then check and copy it (the old weights stay if it fails)."""
+        state: dict[str, Any] = {}
+        header = receiver.receive(state.update)
+        if header["version"] != version:
+            raise ValueError(f"broadcast carried version {header['version']}, not {version}")
+        load_state_in_place(self.model, state, f"broadcast of version {version}")
 
     def _run_batch(self, jobs: list[CompletionJob]) -> None:
         import torch
@@ -317,6 +339,30 @@ class Engine:
         for job in jobs:
             job.future.set_result((self.version, samples[offset : offset + job.rows]))
             offset += job.rows
+
+
+class EmbeddedReceiver:
+    """The engine's end of weight broadcast: joins a group on a worker thread, receives on the
+    engine thread between batches, as a load from disk does."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.receiver: WeightReceiver | None = None
+        self.weight_group: str | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def weight_receivers(self) -> int:
+        return 1
+
+    async def receive_broadcast(self, spec: GroupSpec, member: str, version: int) -> None:
+        if self.weight_group != spec.group:
+            self.receiver = self.weight_group = None
+            self.receiver = await asyncio.to_thread(WeightReceiver, spec, member)
+            self.weight_group = spec.group
+        await asyncio.wrap_future(self.engine.submit(LoadJob(None, version, self.receiver)))
 
 
 class CompletionRequest(BaseModel):
@@ -428,6 +474,8 @@ def build_app(engine: Engine, token: str, max_len: int) -> Any:
     @app.get("/admin/version", dependencies=[Depends(authorized)])
     async def version() -> dict:
         return {"policy_version": engine.version}
+
+    add_routes(app, authorized, EmbeddedReceiver(engine), engine.logger)
 
     @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
     async def load_weights(body: LoadWeightsRequest) -> dict:

@@ -22,6 +22,8 @@ from typing import Any
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.ascii_lowercase + string.digits + " .,:;!?'-\n"
 COMPLETE = "COMPLETE"
+# In weights/: the newest version every inference server confirmed (broadcast transport).
+BROADCAST = "BROADCAST"
 
 
 def _quiet_transformers() -> None:
@@ -264,9 +266,7 @@ def publish_weights(
     _quiet_transformers()
     tmp = target.with_name(f"{target.name}.tmp")
     if state_dict is not None:
-        state_dict = {
-            k.replace("._checkpoint_wrapped_module", ""): v for k, v in state_dict.items()
-        }
+        state_dict = {_hf_name(k): v for k, v in state_dict.items()}
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     marker = tmp / COMPLETE
@@ -276,15 +276,70 @@ def publish_weights(
     tmp.rename(target)
 
 
+def _hf_name(key: str) -> str:
+    """A parameter's HF name, without the activation-checkpointing wrapper's part."""
+    return key.replace("._checkpoint_wrapped_module", "")
+
+
+def inference_state(
+    model: Any, state_dict: dict[str, Any] | None = None, checkpoint_layout: bool = False
+) -> dict[str, Any]:
+    """The tensors an inference server loads, by HF name: `state_dict` (gathered FSDP weights)
+    or the module's own, with a tensor shared under two names (tied embeddings) sent once. In
+    the module's layout (what the embedded engine holds), or with `checkpoint_layout` as
+    `save_pretrained` writes them (what vLLM loads; MoE experts one tensor each, for example)."""
+    state = model.state_dict() if state_dict is None else state_dict
+    seen: set[tuple[str, int]] = set()
+    out = {}
+    for key, tensor in state.items():
+        storage = (str(tensor.device), tensor.data_ptr())
+        if tensor.numel() and storage in seen:
+            continue
+        seen.add(storage)
+        out[_hf_name(key)] = tensor
+    if checkpoint_layout:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        out = revert_weight_conversion(model, out)
+    return out
+
+
+def prune_versions(weights_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete `weights/step_N`; version 0 (the weights RL
+    starts from) stays."""
+    found = [v for v in published_versions(weights_dir) if v > 0]
+    for version in found[: max(len(found) - keep, 0)]:
+        shutil.rmtree(weights_dir / f"step_{version}", ignore_errors=True)
+
+
+def record_broadcast(weights_dir: Path, version: int) -> None:
+    """Record (atomically) that every inference server holds `version` (broadcast transport)."""
+    tmp = weights_dir / f".{BROADCAST}.tmp"
+    tmp.write_text(str(version))
+    tmp.rename(weights_dir / BROADCAST)
+
+
+def broadcast_version(weights_dir: Path) -> int:
+    """The newest version the trainer broadcast and every server confirmed, or -1."""
+    try:
+        return int((weights_dir / BROADCAST).read_text())
+    except FileNotFoundError:
+        return -1
+
+
 def is_complete(path: Path) -> bool:
     return (path / COMPLETE).exists()
 
 
-def newest_version(weights_dir: Path) -> int:
-    """Highest complete `weights/step_N`, or -1."""
-    versions = [
+def published_versions(weights_dir: Path) -> list[int]:
+    """The versions with a complete `weights/step_N`, ascending."""
+    return sorted(
         int(p.name.split("_")[1])
         for p in weights_dir.glob("step_*")
         if p.name.split("_")[1].isdigit() and is_complete(p)
-    ]
-    return max(versions, default=-1)
+    )
+
+
+def newest_version(weights_dir: Path) -> int:
+    """Highest complete `weights/step_N`, or -1."""
+    return max(published_versions(weights_dir), default=-1)

@@ -2,8 +2,9 @@
 group advantages and pushes scored groups to the rollout queue, within the staleness budget.
 
 Batch N may be generated once inference holds policy version >= N - async_level; the
-orchestrator loads the newest published weights into every inference server before each batch,
-and evaluates held-out prompts at version 0 (after warm-up), every `eval_every` versions and at
+orchestrator loads the newest published weights into every inference server before each batch
+(with inference.weight_transport=broadcast the trainer sends them itself: rl/broadcast.py), and
+evaluates held-out prompts at version 0 (after warm-up), every `eval_every` versions and at
 the final version.
 """
 
@@ -24,13 +25,21 @@ import httpx
 
 from rl import wire
 from rl.advantages import ADVANTAGES
+from rl.config import WeightTransport
 from rl.envs import Environment, Example, make_environment
-from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer, newest_version
+from rl.model import (
+    broadcast_version,
+    encode_prompt,
+    ensure_checkpoint,
+    load_tokenizer,
+    newest_version,
+)
 from rl.runtime import (
     PEER_TIMEOUT_S,
     Peer,
     append_jsonl,
     auth_headers,
+    inference_names,
     load_run_config,
     read_address,
     role_args,
@@ -336,8 +345,7 @@ class Orchestrator:
         self.env: Environment = make_environment(cfg.environment)
         token = run_token(run_dir)
         self.queue = Peer(run_dir, "queue")
-        names = [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
-        self.inference = InferenceClient(run_dir, names, token, cfg.model.name)
+        self.inference = InferenceClient(run_dir, inference_names(cfg), token, cfg.model.name)
         self.http = httpx.Client(headers=auth_headers(token), timeout=60.0)
         self.version = -1
         self.last_eval = last_eval(run_dir / "metrics.jsonl")
@@ -363,21 +371,28 @@ class Orchestrator:
         )  # fmt: skip
 
     def wait_for_version(self, minimum: int) -> None:
-        """Block until weights >= minimum are published, then load the newest into inference."""
+        """Block until inference holds weights >= minimum. With the filesystem transport this
+        waits for `weights/step_N` and loads the newest into every server; with broadcast the
+        trainer has sent them itself and records the version every server confirmed."""
         weights_dir = self.run_dir / "weights"
         started = time.monotonic()
-        while (newest := newest_version(weights_dir)) < minimum:
-            time.sleep(0.05)
-        if newest > self.version:
-            t0 = time.monotonic()
-            self.inference.load_weights(weights_dir / f"step_{newest}", newest)
-            self.log.info(
-                "loaded version %d into inference (waited %.2f s, load %.2f s)",
-                newest,
-                t0 - started,
-                time.monotonic() - t0,
-            )
-            self.version = newest
+        if self.cfg.inference.weight_transport == WeightTransport.broadcast:
+            while (newest := broadcast_version(weights_dir)) < minimum:
+                time.sleep(0.02)
+            self.version = max(self.version, newest)
+        else:
+            while (newest := newest_version(weights_dir)) < minimum:
+                time.sleep(0.05)
+            if newest > self.version:
+                t0 = time.monotonic()
+                self.inference.load_weights(weights_dir / f"step_{newest}", newest)
+                self.log.info(
+                    "loaded version %d into inference (waited %.2f s, load %.2f s)",
+                    newest,
+                    t0 - started,
+                    time.monotonic() - t0,
+                )
+                self.version = newest
         every = self.cfg.environment.eval_every
         if self.last_eval < 0 or (every and self.version // every > self.last_eval // every):
             self.evaluate()

@@ -80,6 +80,11 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
+def inference_names(cfg: DictConfig) -> list[str]:
+    """The names the inference servers write their addresses under."""
+    return [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
+
+
 def run_token(run_dir: Path) -> str:
     token = os.environ.get(TOKEN_ENV)
     if token:

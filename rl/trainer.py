@@ -1,17 +1,18 @@
 """The trainer: pulls step N's batch from the rollout queue, computes the loss with importance
-correction against the inference logprobs, steps AdamW, publishes policy version N+1 to
-`weights/step_{N+1}/` and checkpoints. Runs under torchrun; torch.distributed is initialised
-even for one process, so the same code path serves a larger world.
+correction against the inference logprobs, steps AdamW, publishes policy version N+1 (to
+`weights/step_{N+1}/`, or by broadcast straight to the inference workers) and checkpoints.
+Runs under torchrun; torch.distributed is initialised even for one process, so the same code
+path serves a larger world.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import sys
 import time
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 from rl import parallel, wire
 from rl.algorithms import LOSSES, loss_stats, reduce
+from rl.broadcast import InferenceBroadcaster
+from rl.config import WeightTransport
 from rl.context_parallel import ContextParallel
 from rl.envs import Example, make_environment
 from rl.model import (
@@ -30,6 +33,7 @@ from rl.model import (
     is_complete,
     load_model,
     load_tokenizer,
+    prune_versions,
     publish_weights,
 )
 from rl.packing import packed_logprobs
@@ -334,19 +338,35 @@ class Trainer:
         }
 
     def publish(self, version: int) -> None:
-        """HF-layout weights for inference; under FSDP the shards are gathered first (every rank
-        takes part), rank 0 writes."""
+        """Policy `version` for inference. With the filesystem transport: HF-layout
+        `weights/step_N/`. With broadcast: sent to every inference worker (rl/broadcast.py) and
+        written only where a restarted server, a resume or an export reads it (`exported`).
+        Under FSDP the shards are gathered first (every rank takes part); rank 0 writes and
+        sends."""
         target = self.weights_dir / f"step_{version}"
-        if self.on_rank_0(is_complete(target)):
+        broadcast = self.cfg.inference.weight_transport == WeightTransport.broadcast
+        if not broadcast and self.on_rank_0(is_complete(target)):
             return
         # Gathered under FSDP (a collective); one process saves its own module directly.
         state = parallel.full_state_dict(self.model) if self.dims.sharded else None
         if self.rank != 0:
             return
-        publish_weights(self.model, self.tokenizer, target, state_dict=state)
-        stale = version - self.cfg.trainer.keep_weights
-        if stale > 0:
-            shutil.rmtree(self.weights_dir / f"step_{stale}", ignore_errors=True)
+        if (not broadcast or self.exported(version)) and not is_complete(target):
+            publish_weights(self.model, self.tokenizer, target, state_dict=state)
+            prune_versions(self.weights_dir, self.cfg.trainer.keep_weights)
+        if broadcast:
+            self.broadcaster.publish(version, self.model, state)
+
+    def exported(self, version: int) -> bool:
+        """Whether broadcast `version` is also written to disk: version 0, the versions
+        checkpoints are taken at, and the last."""
+        every = self.cfg.trainer.checkpoint_every
+        return version in (0, self.cfg.max_steps) or bool(every and version % every == 0)
+
+    @cached_property
+    def broadcaster(self) -> InferenceBroadcaster:
+        """Rank 0's sender of new weights to the inference servers (broadcast transport)."""
+        return InferenceBroadcaster(self.run_dir, self.cfg, self.log)
 
     def checkpoint(self, step: int) -> None:
         """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank

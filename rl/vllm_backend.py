@@ -7,13 +7,19 @@ HTTP contract as the embedded engine in front of it, so the orchestrator has one
 - /admin/load_weights swaps weights in place: vLLM pauses (keeping in-flight requests), reloads
   `weights/step_N` through its worker's `reload_weights`, drops its prefix cache (built with the
   old weights) and resumes. Requests in flight finish on the new weights;
-- if vLLM dies it is restarted, at most `MAX_RESTARTS` times, with the last loaded weights.
+- /admin/weights/broadcast (rl/broadcast.py) takes weights from the trainer's broadcast with the
+  same pause, reload, drop, resume sequence: each vLLM worker joins the weight group and streams
+  the tensors into the same in-place reload (rl/weight_sync.py's worker extension, which the
+  plan adds with `--worker-extension-cls`; vLLM shards and quantises them itself);
+- if vLLM dies it is restarted, at most `MAX_RESTARTS` times, with the last weights it loaded
+  from disk (a broadcast group does not survive it: the trainer's next update forms a new one).
 vLLM's admin routes need `VLLM_SERVER_DEV_MODE=1`; they are reachable only on loopback here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -26,9 +32,12 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 
+import rl
+from rl.broadcast import add_routes
 from rl.http import bearer_guard
 from rl.model import ensure_checkpoint, is_complete, load_tokenizer
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
+from rl.weight_sync import GroupSpec
 
 HOST = "127.0.0.1"
 MAX_RESTARTS = 3
@@ -51,7 +60,10 @@ class VllmProcess:
     def start(self) -> None:
         with listen_socket(HOST, 0) as probe:  # a free port for vLLM's private server
             self.port = probe.getsockname()[1]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        # Relay's source on the path: vLLM's workers import rl.weight_sync from their own env.
+        source = str(Path(rl.__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
         argv += ["--host", HOST, "--port", str(self.port)]
         with open(self.log_path, "ab") as log:
@@ -115,7 +127,9 @@ class VllmFrontend:
             logger,
         )
         self.version = -1
-        self.weights: Path | None = None
+        self.weights: tuple[Path, int] | None = None  # last loaded from disk, and its version
+        self.weight_group: str | None = None  # the broadcast group vLLM's workers are in
+        self.receivers: int | None = None
         self.ready = asyncio.Event()
         self.swap = asyncio.Lock()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
@@ -163,19 +177,63 @@ class VllmFrontend:
     async def _swap_weights(self, path: Path, version: int) -> dict[str, Any]:
         """Pause (keeping in-flight requests), reload, drop stale prefix cache, resume."""
         t0 = time.monotonic()
-        await self._admin("/pause", params={"mode": "keep"})
-        try:
-            await self._admin(
-                "/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-            )
-            await self._admin("/reset_prefix_cache", params={"reset_running_requests": "true"})
-        finally:
-            await self._admin("/resume")
-        self.version, self.weights = version, path
+        async with self._paused():
+            await self._rpc("reload_weights", weights_path=str(path))
+        self.version, self.weights = version, (path, version)
         seconds = time.monotonic() - t0
         self.logger.info("loaded version %d from %s in %.3f s", version, path, seconds)
         return {"policy_version": version, "load_s": seconds}
+
+    async def weight_receivers(self) -> int:
+        """vLLM's workers, each of which takes the whole broadcast (one per collective_rpc
+        answer)."""
+        if self.receivers is None:
+            await self.ready.wait()
+            self.receivers = len(await self._rpc("relay_weight_receiver"))
+        return self.receivers
+
+    async def receive_broadcast(self, spec: GroupSpec, member: str, version: int) -> None:
+        """Pause, join the group (when new), stream the update into vLLM, drop the prefix
+        cache, resume: the filesystem swap's sequence, with the weights from the trainer."""
+        async with self.swap:
+            await self.ready.wait()
+            t0 = time.monotonic()
+            async with self._paused():
+                if self.weight_group != spec.group:
+                    self.weight_group = None
+                    # No time limit here: the weight group's own timeout bounds both calls.
+                    await self._rpc("init_weight_group", None, spec=spec.to_json(), member=member)
+                    self.weight_group = spec.group
+                results = await self._rpc("receive_weights", None)
+            got = {r["version"] for r in results}
+            if got != {version}:
+                raise RuntimeError(f"vLLM's workers received versions {got}, not {version}")
+            self.version = version
+        mb = results[0]["bytes"] / 1e6
+        seconds = time.monotonic() - t0
+        self.logger.info(
+            "received version %d by broadcast (%.1f MB) in %.3f s", version, mb, seconds
+        )
+
+    @contextlib.asynccontextmanager
+    async def _paused(self) -> Any:
+        await self._admin("/pause", params={"mode": "keep"})
+        try:
+            yield
+            await self._admin("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        finally:
+            await self._admin("/resume")
+
+    async def _rpc(self, method: str, timeout: float | None = 600.0, **kwargs: str) -> list[Any]:
+        """Call `method` on every vLLM worker (collective_rpc); their answers, in order."""
+        body = {"method": method, "kwargs": kwargs}
+        url = f"{self.vllm.url}/collective_rpc"
+        response = await self.http.post(url, json=body, timeout=timeout)
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"vLLM collective_rpc {method}: {response.status_code} {response.text}"
+            )
+        return response.json()["results"] if response.content else []
 
     async def _admin(self, route: str, **kwargs: Any) -> None:
         response = await self.http.post(f"{self.vllm.url}{route}", **kwargs)
@@ -198,9 +256,10 @@ class VllmFrontend:
             # fires when the forking thread exits. Requests wait on `ready` meanwhile.
             self.vllm.stop()
             self.vllm.start()
-            if self.weights is not None:  # back to the weights it held before serving again
+            self.weight_group, self.version = None, -1  # a new vLLM: base weights, no group
+            if self.weights is not None:  # back to the weights it loaded before serving again
                 async with self.swap:
-                    await self._swap_weights(self.weights, self.version)
+                    await self._swap_weights(*self.weights)
             self.ready.set()
 
 
@@ -208,6 +267,7 @@ def build_app(front: VllmFrontend, token: str) -> FastAPI:
     authorized = bearer_guard(token)
 
     app = FastAPI(title="relay-inference (vllm)")
+    add_routes(app, authorized, front, front.logger)
 
     @app.get("/health")
     async def health() -> dict:

@@ -97,6 +97,11 @@ def test_cfg_job_prints_composed_config() -> None:
         (["algorithm.lr=abc"], "algorithm.lr: Value 'abc'"),
         (["algorithm.loss=xx"], "expected one of [default, aipo, grpo, gspo, cispo]"),
         (
+            ["inference.weight_transport=disk"],
+            "inference.weight_transport: Invalid value 'disk', expected one of "
+            "[filesystem, broadcast]",
+        ),
+        (
             ["model=qwen3_0_6b", "parallel=ep8", "dry_run=true"],
             "parallel.trainer.ep=8: expert parallelism needs an MoE model",
         ),

@@ -7,6 +7,7 @@ is started as a real process and exercised over HTTP, weight swaps and concurren
 from __future__ import annotations
 
 import copy
+import logging
 import signal
 import subprocess
 import sys
@@ -21,8 +22,15 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rl.broadcast import InferenceBroadcaster
 from rl.inference import generate
-from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.model import (
+    encode_prompt,
+    ensure_checkpoint,
+    load_model,
+    load_tokenizer,
+    publish_weights,
+)
 from rl.runtime import auth_headers, wait_for_address
 from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
 
@@ -255,6 +263,63 @@ def test_swaps_under_load_report_the_version_used(
     for body in bodies:
         assert body["choices"][0]["token_ids"] == expected[body["policy_version"]]
     assert {b["policy_version"] for b in bodies} <= {0, 1}
+
+
+def broadcaster(cfg: DictConfig, run_dir: Path, timeout_s: float = 60) -> InferenceBroadcaster:
+    cfg = copy.deepcopy(cfg)
+    cfg.inference.broadcast_timeout_s = timeout_s
+    return InferenceBroadcaster(run_dir, cfg, logging.getLogger("test"))
+
+
+@pytest.mark.slow
+def test_broadcast_serves_what_the_same_weights_from_disk_serve(
+    server: Any, cfg: DictConfig, checkpoint: Path, step_1: Path
+) -> None:
+    """The trainer's side against the real server: greedy outputs after a broadcast equal those
+    after loading the same weights from disk, and the version advances."""
+    greedy = {"prompt": PROMPTS, "max_tokens": 16, "temperature": 0}
+    load_version(server.client, step_1, 1)
+    from_disk = complete(server.client, **greedy).json()
+    load_version(server.client, checkpoint, 0)
+    base = complete(server.client, **greedy).json()["choices"]
+    sender = broadcaster(cfg, server.run_dir)
+    sender.publish(2, load_model(step_1))
+    assert server.client.get("/admin/version").json() == {"policy_version": 2}
+    after = complete(server.client, **greedy).json()
+    assert after["policy_version"] == 2
+    assert after["choices"] == from_disk["choices"] != base
+    assert (server.run_dir / "weights" / "BROADCAST").read_text() == "2"
+    group = server.client.get("/admin/weights/broadcast").json()["group"]
+    sender.publish(3, load_model(checkpoint))  # the same group, base weights
+    assert complete(server.client, **greedy).json()["choices"] == base
+    status = server.client.get("/admin/weights/broadcast").json()
+    assert status == {"policy_version": 3, "receivers": 1, "group": group, "busy": False,
+                      "error": None}  # fmt: skip
+
+
+class MiscountingBroadcaster(InferenceBroadcaster):
+    """Expects one receiver more than the server has: that one never joins."""
+
+    def _statuses(self) -> dict[str, dict[str, Any]]:
+        statuses = super()._statuses()
+        return {name: {**s, "receivers": s["receivers"] + 1} for name, s in statuses.items()}
+
+
+@pytest.mark.slow
+def test_broadcast_to_a_missing_receiver_fails_naming_it_then_recovers(
+    server: Any, cfg: DictConfig, checkpoint: Path
+) -> None:
+    cfg = copy.deepcopy(cfg)
+    cfg.inference.broadcast_timeout_s = 2
+    model = load_model(checkpoint)
+    with pytest.raises(TimeoutError) as err:
+        MiscountingBroadcaster(server.run_dir, cfg, logging.getLogger("test")).publish(7, model)
+    assert "inference-0 (1 of 2 receivers) did not join the gloo group within 2 s" in str(err.value)
+    status = server.client.get("/admin/weights/broadcast", params={"wait": 30}).json()
+    assert not status["busy"] and "TimeoutError" in status["error"]
+    assert status["policy_version"] != 7
+    broadcaster(cfg, server.run_dir).publish(8, model)  # a fresh group: the server is back
+    assert server.client.get("/admin/version").json() == {"policy_version": 8}
 
 
 @pytest.mark.slow

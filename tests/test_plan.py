@@ -138,6 +138,18 @@ def test_local_fsdp_two_cpu_processes() -> None:
         (["algorithm.async_level=9"], "algorithm.async_level=9: must be >= 0 and <="),
         (["environment.group_size=1"], "environment.group_size=1: needs >= 2"),
         (["environment.max_tokens=500"], "must be below model=tiny's served length 128"),
+        (
+            ["inference.weight_transport=broadcast", "inference.broadcast_timeout_s=0"],
+            "inference.broadcast_timeout_s=0.0: must be > 0",
+        ),
+        (
+            ["inference.weight_transport=broadcast", "inference.broadcast_backend=nccl"],
+            "inference.broadcast_backend=nccl: NCCL needs GPUs and cluster=local has none",
+        ),
+        (
+            ["cluster=slurm", "model=glm5", "parallel=ep8", "inference.weight_transport=broadcast"],
+            "inference.weight_transport=broadcast: model=glm5 serves disaggregated prefill",
+        ),
     ],
 )
 def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:
@@ -201,6 +213,14 @@ def test_exact_vllm_args_qwen3_30b_a3b() -> None:
     assert served_args("qwen3_30b_a3b", "tp") == {
         "inference-0": [*head, "--tensor-parallel-size", "8", *tail]
     }
+
+
+def test_broadcast_gives_vllm_relays_worker_extension() -> None:
+    for transport, wanted in (("filesystem", False), ("broadcast", True)):
+        overrides = ("inference.backend=vllm", f"inference.weight_transport={transport}")
+        args = plan(compose_run(*overrides)).role("inference")[0].argv
+        assert ("--worker-extension-cls" in args) == wanted
+    assert args[args.index("--worker-extension-cls") + 1] == "rl.weight_sync.VllmWorkerExtension"
 
 
 def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:

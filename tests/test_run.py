@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.local import group_alive
+from rl.model import published_versions
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -131,6 +132,27 @@ def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path, layout: tupl
     assert (run_dir / "weights" / "step_6" / "model.safetensors").exists()
     shards = list((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
     assert len(shards) == 2  # one file per rank
+
+
+def test_broadcast_weight_transport(tmp_path: Path, cache: Path) -> None:
+    """Weights reach inference by broadcast from trainer rank 0: every version is served, and
+    only version 0, checkpointed versions and the last are written to disk."""
+    run_dir = tmp_path / "run"
+    broadcast = ("inference.weight_transport=broadcast", "trainer.checkpoint_every=2")
+    records = run_to_end(run_dir, cache, "max_steps=4", *broadcast, WANDB_MODE="disabled")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in train)
+    assert all(min(r["versions"]) >= r["step"] - 2 for r in train)  # async_level 1
+    assert [r["step"] for r in records if "eval/exact_match" in r][-1] == 4
+    assert published_versions(run_dir / "weights") == [0, 2, 4]
+    assert (run_dir / "weights" / "BROADCAST").read_text() == "4"
+    trainer = (run_dir / "logs" / "trainer.log").read_text()
+    assert all(f"broadcast version {v} over gloo" in trainer for v in range(5))
+    inference = (run_dir / "logs" / "inference-0.log").read_text()
+    for version in range(5):
+        assert f"loaded version {version} from the trainer's broadcast" in inference
+    assert "loaded version 0 from /" not in inference
 
 
 def test_async_level_0_trains_only_on_policy(tmp_path: Path, cache: Path) -> None:

@@ -6,7 +6,9 @@ one); skipped without it. The server starts once per module (about a minute here
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -14,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,9 +28,16 @@ from omegaconf import DictConfig
 
 from launcher.local import group_alive
 from launcher.plan import vllm_args
+from rl.broadcast import InferenceBroadcaster
 from rl.envs import make_environment
 from rl.inference import generate
-from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.model import (
+    encode_prompt,
+    ensure_checkpoint,
+    load_model,
+    load_tokenizer,
+    publish_weights,
+)
 from rl.runtime import auth_headers, wait_for_address
 from rl.trainer import pad_batch, token_logprobs
 from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
@@ -49,12 +58,18 @@ PROMPTS = ["reverse: hello\n", "reverse: cat\n", "reverse: spring\n"]
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RELAY_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield compose_run("inference.backend=vllm", f"inference.vllm_python={VLLM_PYTHON}")
+        # Broadcast: vLLM gets Relay's worker extension, so the server takes both transports.
+        yield compose_run(
+            "inference.backend=vllm",
+            f"inference.vllm_python={VLLM_PYTHON}",
+            "inference.weight_transport=broadcast",
+        )
 
 
-@pytest.fixture(scope="module")
-def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+@contextlib.contextmanager
+def vllm_server(cfg: DictConfig, run_dir: Path) -> Iterator[SimpleNamespace]:
+    """A real vLLM-backed inference role for `cfg` in `run_dir`, ended by its process group."""
+    write_run_dir(run_dir, cfg, TOKEN)
     proc = start_role("inference", run_dir, "--replica", "0", "--", *vllm_args(cfg, 1, None))
     try:
         try:
@@ -65,6 +80,12 @@ def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             yield SimpleNamespace(client=client, run_dir=run_dir, proc=proc)
     finally:
         stop_role(proc)
+
+
+@pytest.fixture(scope="module")
+def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    with vllm_server(cfg, tmp_path_factory.mktemp("run")) as running:
+        yield running
 
 
 def complete(server: SimpleNamespace, **body: Any) -> dict:
@@ -120,11 +141,19 @@ def test_token_id_prompts_pass_through_unchanged(server: SimpleNamespace) -> Non
         assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
 
 
-def test_weight_update_matches_embedded_engine(cfg: DictConfig, server: SimpleNamespace) -> None:
-    before = greedy(server)
+@pytest.fixture(scope="module")
+def trained(cfg: DictConfig, server: SimpleNamespace) -> SimpleNamespace:
+    """`weights/step_1`, trained far enough that greedy choices are not near-ties between two
+    kernels, and the embedded engine's greedy ids with it."""
     path = server.run_dir / "weights" / "step_1"
-    # Trained far enough that greedy choices are not near-ties between two kernels.
-    expected = trained_checkpoint(cfg, path, steps=150)
+    return SimpleNamespace(path=path, expected=trained_checkpoint(cfg, path, steps=150))
+
+
+def test_weight_update_matches_embedded_engine(
+    server: SimpleNamespace, trained: SimpleNamespace
+) -> None:
+    before = greedy(server)
+    path, expected = trained.path, trained.expected
     response = server.client.post("/admin/load_weights", json={"path": str(path), "version": 1})
     assert response.status_code == 200, response.text
     after = greedy(server)
@@ -133,9 +162,8 @@ def test_weight_update_matches_embedded_engine(cfg: DictConfig, server: SimpleNa
     assert server.client.get("/admin/version").json() == {"policy_version": 1}
 
 
-def test_request_in_flight_during_swap_completes(cfg: DictConfig, server: SimpleNamespace) -> None:
-    path = server.run_dir / "weights" / "step_2"
-    trained_checkpoint(cfg, path, steps=5)
+def in_flight_during(server: SimpleNamespace, swap: Callable[[], Any]) -> dict[str, Any]:
+    """Run `swap` while a long request is in vLLM; that request's answer, checked complete."""
     result: dict[str, Any] = {}
 
     def long_request() -> None:
@@ -145,13 +173,25 @@ def test_request_in_flight_during_swap_completes(cfg: DictConfig, server: Simple
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    swap = server.client.post("/admin/load_weights", json={"path": str(path), "version": 2})
+    time.sleep(0.5)  # the request is in vLLM before the swap starts
+    swap()
     thread.join(timeout=300)
-    assert swap.status_code == 200
     response = result["response"]
     assert response.status_code == 200, response.text
     body = response.json()
     assert len(body["choices"]) == len(PROMPTS) * 8 * 8
+    return body
+
+
+def test_request_in_flight_during_swap_completes(cfg: DictConfig, server: SimpleNamespace) -> None:
+    path = server.run_dir / "weights" / "step_2"
+    trained_checkpoint(cfg, path, steps=5)
+
+    def swap() -> None:
+        response = server.client.post("/admin/load_weights", json={"path": str(path), "version": 2})
+        assert response.status_code == 200, response.text
+
+    body = in_flight_during(server, swap)
     assert body["policy_version_max"] == 2 and body["policy_version"] <= 2
 
 
@@ -188,6 +228,23 @@ def test_dead_vllm_is_restarted_with_its_weights(server: SimpleNamespace) -> Non
         time.sleep(1)
     assert server.client.get("/admin/version").json()["policy_version"] == version
     assert greedy(server) == before  # same weights reloaded after the restart
+
+
+def test_broadcast_update_matches_embedded_engine(
+    cfg: DictConfig, server: SimpleNamespace, trained: SimpleNamespace
+) -> None:
+    """Runs after the restart test: vLLM is a fresh process, so a new group forms. A request in
+    flight during the swap completes, across the two versions."""
+    sender = InferenceBroadcaster(server.run_dir, cfg, logging.getLogger("test"))
+    sender.publish(3, load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)))
+    before = greedy(server)
+    model = load_model(trained.path)
+    body = in_flight_during(server, lambda: sender.publish(4, model))
+    assert body["policy_version"] == 3 and body["policy_version_max"] == 4
+    after = greedy(server)
+    assert after == trained.expected != before
+    status = server.client.get("/admin/weights/broadcast").json()
+    assert status["policy_version"] == 4 and status["receivers"] == 1 and not status["error"]
 
 
 def test_no_vllm_left_after_the_role_is_killed(cfg: DictConfig, tmp_path: Path) -> None:

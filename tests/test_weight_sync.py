@@ -1,0 +1,175 @@
+"""Weight broadcast over gloo between real processes: the test is rank 0, spawned processes
+receive. Bytes must arrive bit-identical for every dtype, across bucket boundaries, and a
+receiver that never joins must end in a timeout naming it. Also what the trainer sends, and
+which `weights/step_N` it keeps."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rl.model import (
+    COMPLETE,
+    ensure_checkpoint,
+    inference_state,
+    load_model,
+    load_tokenizer,
+    prune_versions,
+    publish_weights,
+    published_versions,
+)
+from rl.weight_sync import GroupSpec, TensorSpec, WeightReceiver, WeightSender, buckets
+from tests.conftest import compose_run
+
+
+def updates(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of several dtypes and shapes (a 0-d one, a non-contiguous one, one larger
+    than the test's bucket)."""
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.randn(40, 50, generator=gen)
+    return {
+        "layers.0.weight": torch.randn(7, 3, generator=gen).to(torch.bfloat16),
+        "layers.0.half": torch.randn(5, generator=gen).half(),
+        "layers.0.scale": torch.tensor(3.25, dtype=torch.float64),
+        "layers.1.big": big,
+        "layers.1.transposed": big[:9, :4].t(),
+        "ids": torch.randint(-(2**40), 2**40, (11,), generator=gen),
+        "mask": torch.rand(13, generator=gen) > 0.5,
+        "fp8": torch.randn(17, generator=gen).to(torch.float8_e4m3fn),
+        "bytes": torch.randint(0, 256, (3, 3), dtype=torch.uint8, generator=gen),
+    }
+
+
+def receive_twice(spec: GroupSpec, member: str, out: Any) -> None:
+    receiver = WeightReceiver(spec, member)
+    got: dict[str, torch.Tensor] = {}
+    first = receiver.receive(lambda tensors: got.update((n, t.clone()) for n, t in tensors))
+
+    def fail_after_one(tensors: Any) -> None:
+        next(iter(tensors))
+        raise ValueError("load failed")
+
+    try:  # a failing consumer: the rest is still received, so the group stays in step
+        receiver.receive(fail_after_one)
+    except ValueError as err:
+        failed = str(err)
+    third: dict[str, torch.Tensor] = {}
+    last = receiver.receive(lambda tensors: third.update((n, t.clone()) for n, t in tensors))
+    out.put((receiver.rank, first, got, failed, last, third))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_updates_arrive_bit_identical_over_gloo() -> None:
+    sender = WeightSender("127.0.0.1", "gloo", timeout_s=60)
+    sender.bucket_bytes = 1024  # several buckets, and one tensor larger than a bucket
+    spec = sender.new_group(receivers=2)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=receive_twice, args=(spec, member, out)) for member in ("a", "b")]
+    for proc in procs:
+        proc.start()
+    try:
+        sender.join(spec, {"a": 1, "b": 1})
+        sent = sender.send(5, updates(0))
+        sender.send(6, updates(1))
+        sender.send(7, updates(2))
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    assert sorted(r[0] for r in results) == [1, 2]
+    expected, last = updates(0), updates(2)
+    for _, first, got, failed, final, third in results:
+        assert first["version"] == 5 and final["version"] == 7
+        assert first["bytes"] == sent > sum(bits(t).numel() for t in expected.values())
+        assert first["tensors"] == len(expected) and failed == "load failed"
+        for reference, received in ((expected, got), (last, third)):
+            assert list(received) == list(reference)
+            for name, tensor in reference.items():
+                assert received[name].dtype == tensor.dtype, name
+                assert received[name].shape == tensor.shape, name
+                assert torch.equal(bits(received[name]), bits(tensor)), name
+    assert all(proc.exitcode == 0 for proc in procs)
+
+
+def test_receiver_that_never_joins_times_out_naming_it() -> None:
+    sender = WeightSender("127.0.0.1", "gloo", timeout_s=2)
+    spec = sender.new_group(receivers=2)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    present = ctx.Process(target=receive_twice, args=(spec, "inference-0", out))
+    present.start()
+    try:
+        while not sender.joined(spec, ["inference-0"])["inference-0"]:
+            assert present.is_alive()
+            time.sleep(0.05)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            sender.join(spec, {"inference-0": 1, "inference-1": 1})
+        assert time.monotonic() - start < 10
+    finally:
+        present.join(timeout=30)  # its own group formation times out too
+        if present.is_alive():
+            present.kill()
+    message = str(err.value)
+    assert "inference-1 (0 of 1 receivers) did not join the gloo group within 2 s" in message
+    assert "inference-0" not in message
+
+
+def test_bucket_layout_is_aligned_and_bounded() -> None:
+    specs = [TensorSpec(f"t{i}", "float32", (n,)) for i, n in enumerate([3, 100, 1, 500, 2])]
+    layout = buckets(specs, limit=512)
+    # 12, 400 and 4 bytes share a bucket; the 2000-byte tensor travels alone.
+    assert [offsets for _, offsets in layout] == [[0, 16, 416], [0], [0]]
+    assert [size for size, _ in layout] == [420, 2000, 8]
+    assert all(o % 16 == 0 for _, offsets in layout for o in offsets)
+
+
+def test_inference_state_names_and_tied_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the trainer sends: HF names (no activation-checkpointing wrapper), and the tied
+    embedding once, as `save_pretrained` writes it."""
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path))
+    model = load_model(ensure_checkpoint(compose_run().model))
+    state = inference_state(model)
+    assert "model.embed_tokens.weight" in state and "lm_head.weight" not in state
+    wrapped = {k.replace(".mlp.", "._checkpoint_wrapped_module.mlp."): v
+               for k, v in model.state_dict().items()}  # fmt: skip
+    assert list(inference_state(model, wrapped)) == list(state)
+
+
+def test_checkpoint_layout_is_what_publish_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What vLLM is sent equals what `weights/step_N` holds, MoE experts (stacked in the
+    module, one tensor each on disk) included; the embedded engine gets the module's layout."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path))
+    base = ensure_checkpoint(compose_run("model=tiny_qwen3_moe").model)
+    model = load_model(base)
+    publish_weights(model, load_tokenizer(base), tmp_path / "step_1")
+    on_disk = load_file(tmp_path / "step_1" / "model.safetensors")
+    sent = inference_state(model, checkpoint_layout=True)
+    assert sorted(sent) == sorted(on_disk) and any(".experts.0." in k for k in sent)
+    assert all(torch.equal(sent[k], on_disk[k]) for k in sent)
+    assert set(inference_state(model)) <= set(model.state_dict())
+
+
+def test_pruning_keeps_version_0_and_the_newest(tmp_path: Path) -> None:
+    for version in (0, 2, 4, 5, 6, 8):
+        (tmp_path / f"step_{version}").mkdir()
+        (tmp_path / f"step_{version}" / COMPLETE).touch()
+    (tmp_path / "step_9").mkdir()  # being written: not complete, not counted
+    prune_versions(tmp_path, keep=3)
+    assert published_versions(tmp_path) == [0, 5, 6, 8]
+    assert (tmp_path / "step_9").exists()
