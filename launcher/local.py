@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.plan import RunPlan
+from rl.runtime import die_with_parent
 
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 5.0
@@ -105,13 +106,16 @@ def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: 
         stdin=subprocess.DEVNULL,
         env={**env, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
-        preexec_fn=_ignore_usr2,
+        preexec_fn=_child_setup,
     )
     return Child(name, role, proc, log_path, log_file, argv, env)
 
 
-def _ignore_usr2() -> None:
+def _child_setup() -> None:
+    """In the child before exec: ignore SIGUSR2, and get SIGTERM if the launcher dies (killed
+    outright it cannot stop its roles, which would otherwise run on as orphans)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    die_with_parent(signal.SIGTERM)
 
 
 def start_children(run_plan: RunPlan, run_dir: Path, token: str) -> list[Child]:

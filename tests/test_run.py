@@ -226,6 +226,19 @@ def test_killing_a_role_without_restarts_ends_the_run(
     assert_no_process_left(tmp_path / "run")
 
 
+def test_a_launcher_killed_outright_takes_its_roles_with_it(tmp_path: Path, cache: Path) -> None:
+    """SIGKILL leaves the launcher no chance to stop the roles: Linux sends each its
+    parent-death SIGTERM, so none runs on as an orphan."""
+    run_dir = tmp_path / "run"
+    code, _ = interrupt_training(run_dir, cache, "launcher", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    pids = json.loads((run_dir / "pids.json").read_text())
+    deadline = time.monotonic() + 60  # each role's SIGTERM handling, on a loaded machine
+    while any(map(group_alive, pids.values())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert_no_process_left(run_dir)
+
+
 def test_ctrl_c_stops_every_role(tmp_path: Path, cache: Path) -> None:
     code, stderr = interrupt_training(tmp_path / "run", cache, "launcher", signal.SIGINT)
     assert code == 130
