@@ -58,14 +58,13 @@ AC = "trainer.activation_checkpointing=true"
 # shards: the degree each weight is split over).
 LAYOUTS = {
     "fsdp2": (2, "tiny", ["parallel=fsdp"], 2),
+    "fsdp4": (4, "tiny", ["parallel=fsdp"], 4),
     "hsdp2x2": (4, "tiny", ["parallel=hsdp"], 2),
-    "fsdp2-checkpointing": (
-        2,
-        "tiny",
-        ["parallel=fsdp", "trainer.activation_checkpointing=true"],
-        2,
-    ),
+    "fsdp2-checkpointing": (2, "tiny", ["parallel=fsdp", AC], 2),
     "ep2-qwen3moe": (2, "tiny_qwen3_moe", ["parallel=fsdp", EP], 2),
+    "ep2-glm5": (2, "tiny_glm5", ["parallel=fsdp", EP], 2),
+    "ep2-minimax": (2, "tiny_minimax_m2", ["parallel=fsdp", EP], 2),
+    "efsdp2xep2-qwen3moe": (4, "tiny_qwen3_moe", ["parallel=fsdp", EP], 4),
     "efsdp2xep2-glm5": (4, "tiny_glm5", ["parallel=fsdp", EP], 4),
     "hsdp2-ep2-minimax": (4, "tiny_minimax_m2", ["parallel=hsdp", EP], 2),
     "cp2": (2, "tiny", ["parallel=cp2"], 2),
