@@ -110,7 +110,8 @@ def test_masks_cover_exactly_the_models_tokens(env: Any) -> None:
     group = score_group(env, group_mean, example, [choice, choice])
     (decoded,), _ = wire.decode(wire.encode([group]))
     sample = decoded["samples"][0]
-    batch = Trainer.micro_batch(SimpleNamespace(tokenizer=tokenizer), [sample])
+    trainer = SimpleNamespace(tokenizer=tokenizer, device=torch.device("cpu"))
+    batch = Trainer.micro_batch(trainer, [sample])
     mask = batch["mask"][0].tolist()
     sequence = batch["ids"][0].tolist()
 
