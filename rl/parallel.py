@@ -172,15 +172,6 @@ def apply_fsdp(
     return model
 
 
-def sum_gradients(model: torch.nn.Module) -> None:
-    """Unsharded data parallelism: the summed gradient of every rank (FSDP reduces its own)."""
-    if dist.get_world_size() == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-
-
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, dims: ParallelDims) -> float:
     """Scale gradients so that their global norm is at most `max_norm`; returns the norm
     before clipping. Within one replica the ranks' gradient shards (FSDP's, and EP's expert

@@ -185,11 +185,6 @@ class Trainer:
         self.weights_dir = run_dir / "weights"
         self.weights_dir.mkdir(exist_ok=True)
 
-    def reduce_gradients(self) -> None:
-        """Sum gradients across ranks where FSDP has not (it reduces its own shards)."""
-        if not self.dims.sharded:
-            parallel.sum_gradients(self.model)
-
     def warmup(self) -> None:
         """Supervised warm-up: cross-entropy on the answers of training examples."""
         cfg = self.cfg.warmup
@@ -211,7 +206,6 @@ class Trainer:
             loss = -(logp * completion).sum() / total
             optimizer.zero_grad()
             loss.backward()
-            self.reduce_gradients()
             optimizer.step()
             if step % 10 == 0 or step == cfg.steps - 1:
                 self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
@@ -327,7 +321,6 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + float(stats[key]) / totals["tokens"]
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
             ratio_min = min(ratio_min, float(stats["ratio_min"]))
-        self.reduce_gradients()
         grad_norm = parallel.clip_grad_norm(self.model, algo.max_grad_norm, self.dims)
         self.optimizer.step()
         return {
