@@ -3,6 +3,7 @@ real `rl.trainer.Trainer` from a run directory and drives its steps on fixed sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +114,12 @@ def steps(
     dist.destroy_process_group()
 
 
-def in_sequence(rank: int, world: int, jobs: list[tuple[str, str, str, tuple]]) -> None:
-    """Several of the bodies above, one after another in the same ranks: (body name, init
-    file, run directory, extra arguments) each; every body sets up and tears down its own
-    process group. On CPU a spawn costs mostly imports (torch, transformers: seconds per
-    rank), which this pays once per world size instead of once per layout."""
-    for name, init_file, run_dir, args in jobs:
-        globals()[name](rank, world, init_file, run_dir, *args)
+def in_sequence(
+    rank: int, world: int, jobs: list[tuple[Callable[..., None], str, str, tuple]]
+) -> None:
+    """Several of the bodies above, one after another in the same ranks: (body, init file, run
+    directory, extra arguments) each; every body sets up and tears down its own process
+    group. On CPU a spawn costs mostly imports (torch, transformers: seconds per rank), which
+    this pays once per world size instead of once per layout."""
+    for body, init_file, run_dir, args in jobs:
+        body(rank, world, init_file, run_dir, *args)

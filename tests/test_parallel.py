@@ -14,7 +14,7 @@ percents).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,19 +77,19 @@ def steps(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     """What every layout's step produced (and one process's, per model, as `single-<model>`;
     and two ranks with uneven micro-batches, as `uneven`): ranks spawned once per world size."""
     tmp = tmp_path_factory.mktemp("steps")
-    runs: dict[int, list[tuple[str, str, str, tuple]]] = {}
+    runs: dict[int, list[tuple[Callable[..., None], str, str, tuple]]] = {}
     outs: dict[str, Path] = {}
 
-    def add(world: int, name: str, body: str, *overrides: str) -> None:
+    def add(world: int, name: str, body: Callable[..., None], *overrides: str) -> None:
         run_dir, init = prepare(tmp, name, *overrides)
         outs[name] = tmp / f"{name}.pt"
         runs.setdefault(world, []).append((body, str(init), str(run_dir), (str(outs[name]),)))
 
     for model in sorted({model for _, model, _, _ in LAYOUTS.values()}):
-        add(1, f"single-{model}", "one_step", f"model={model}", "parallel=single")
+        add(1, f"single-{model}", dist_workers.one_step, f"model={model}", "parallel=single")
     for name, (world, model, options, _) in LAYOUTS.items():
-        add(world, name, "one_step", f"model={model}", *options)
-    add(2, "uneven", "uneven_micro_batches", "parallel=fsdp")
+        add(world, name, dist_workers.one_step, f"model={model}", *options)
+    add(2, "uneven", dist_workers.uneven_micro_batches, "parallel=fsdp")
     for world, jobs in runs.items():
         mp.spawn(dist_workers.in_sequence, args=(world, jobs), nprocs=world, join=True)
     return {name: torch.load(out) for name, out in outs.items()}
@@ -132,13 +132,18 @@ def resumed(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     tmp = tmp_path_factory.mktemp("resumed")
     runs: dict[str, Path] = {}
     straight, again, single = [], [], []
+    steps = dist_workers.steps
     for name, (model, options) in CHECKPOINTED.items():
         run_dir, init = prepare(tmp, name, f"model={model}", *options)
         runs[name] = run_dir
-        straight.append(("steps", str(init), str(run_dir), (f"{run_dir}/straight", 1, 4)))
-        again.append(("steps", f"{init}_again", str(run_dir), (f"{run_dir}/again_2", 3, 4)))
+        straight.append(
+            (dist_workers.steps, str(init), str(run_dir), (f"{run_dir}/straight", 1, 4))
+        )
+        again.append(
+            (dist_workers.steps, f"{init}_again", str(run_dir), (f"{run_dir}/again_2", 3, 4))
+        )
         one, one_init = prepare(tmp, f"{name}_single", f"model={model}", "parallel=single")
-        single.append(("steps", str(one_init), str(one), (f"{run_dir}/again_1", 3, 3)))
+        single.append((steps, str(one_init), str(one), (f"{run_dir}/again_1", 3, 3)))
     mp.spawn(dist_workers.in_sequence, args=(2, straight), nprocs=2, join=True)
     for name, run_dir in runs.items():  # the single process resumes the 2-rank checkpoint
         shutil.copytree(run_dir / "checkpoints", tmp / f"{name}_single" / "checkpoints")
