@@ -245,6 +245,18 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     return model.to(device)
 
 
+def empty_model(path: str | Path, dtype: str = "float32") -> Any:
+    """The model at `path` built on the meta device: its modules and shapes, with no weights
+    read and no memory taken (a sharded trainer fills them from rank 0)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+
+
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -208,6 +209,30 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     gets them)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+def fill_from_rank0(
+    model: Any, whole: dict[str, torch.Tensor], device: torch.device, cpu_offload: bool = False
+) -> None:
+    """Give a sharded model rank 0's weights (a collective). Rank 0 passes its whole state
+    dict; the other ranks, whose model was built on the meta device, pass nothing, and each
+    rank keeps only its shards. Buffers, which hold no learned state and are not all in a
+    state dict (rotary tables), are sent from rank 0 as they are."""
+    rank = dist.get_rank()
+    if rank != 0:  # sharded parameters live on the host when FSDP offloads them
+        model.to_empty(device="cpu" if cpu_offload else device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole, options=options)
+    names = [(name, b.dtype, tuple(b.shape)) for name, b in model.named_buffers()]
+    theirs = [names]
+    dist.broadcast_object_list(theirs, src=0)
+    if theirs[0] != names:
+        raise RuntimeError(f"rank {rank} built other buffers than rank 0: {names} != {theirs[0]}")
+    for module in model.modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[leaf] = buffer = buffer.to(device)
+                dist.broadcast(buffer, src=0)
 
 
 def save_checkpoint(model: Any, optimizer: Any, step: int, target: Path) -> None:

@@ -29,6 +29,7 @@ from rl.context_parallel import ContextParallel
 from rl.envs import Example, make_environment
 from rl.model import (
     COMPLETE,
+    empty_model,
     ensure_checkpoint,
     is_complete,
     load_model,
@@ -152,9 +153,14 @@ class Trainer:
         dist.barrier()
         self.base = base = ensure_checkpoint(cfg.model, seed=cfg.seed)
         self.device = rank_device(cfg)
-        self.model = load_model(base, dtype=cfg.model.dtype, device=self.device)
-        self.tokenizer = load_tokenizer(base)
         self.dims = parallel.from_config(cfg.parallel.trainer, self.world)
+        # Sharded, only rank 0 reads the weights; the others build the model on the meta
+        # device (shapes, no memory) and receive their shards from it after sharding.
+        if self.dims.sharded and self.rank != 0:
+            self.model = empty_model(base, dtype=cfg.model.dtype)
+        else:
+            self.model = load_model(base, dtype=cfg.model.dtype, device=self.device)
+        self.tokenizer = load_tokenizer(base)
         # Data-parallel rank and world: which share of each batch this rank trains on (the
         # ranks of one CP group share theirs, EP ranks have their own).
         self.dp_rank, self.dp_world = 0, self.dims.dp
@@ -167,7 +173,12 @@ class Trainer:
             if self.dims.cp > 1:
                 self.cp = ContextParallel(mesh["cp"])
                 self.cp.enable(self.model)
+            whole = dict(self.model.state_dict()) if self.rank == 0 else {}
             parallel.apply_fsdp(self.model, mesh, self.dims, cpu_offload=cfg.trainer.cpu_offload)
+            parallel.fill_from_rank0(
+                self.model, whole, self.device, cpu_offload=cfg.trainer.cpu_offload
+            )
+            del whole
         self.log.info(
             "mesh %s: %.1f MB of parameters on this rank",
             self.dims,

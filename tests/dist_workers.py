@@ -3,7 +3,8 @@ real `rl.trainer.Trainer` from a run directory and drives its steps on fixed sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rl import parallel
+from rl import trainer as trainer_module
 from rl.trainer import Trainer
 
 
@@ -41,6 +43,23 @@ def _trainer(rank: int, world: int, init_file: str, run_dir: str) -> Trainer:
     return Trainer(Path(run_dir))
 
 
+@contextlib.contextmanager
+def counting_reads() -> Iterator[list[str]]:
+    """The checkpoints this process reads whole while the block runs."""
+    reads: list[str] = []
+    real = trainer_module.load_model
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    trainer_module.load_model = counted
+    try:
+        yield reads
+    finally:
+        trainer_module.load_model = real
+
+
 def _mine(samples: list[dict[str, Any]], trainer: Trainer) -> list[dict[str, Any]]:
     """This rank's share of a batch (the ranks of a CP group get the same share)."""
     return samples[trainer.dp_rank :: trainer.dp_world]
@@ -57,7 +76,8 @@ def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
 def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> None:
     """One training step on this rank's share of 8 samples; rank 0 saves the whole batch's
     loss, the gradient norm, the full gradients and every rank's parameter bytes."""
-    trainer = _trainer(rank, world, init_file, run_dir)
+    with counting_reads() as reads:
+        trainer = _trainer(rank, world, init_file, run_dir)
     mine = _mine(synthetic_samples(8, seed=0), trainer)
     kept = [0]  # elements of the tensors autograd keeps for the backward pass
 
@@ -73,10 +93,12 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     grads = full_gradients(trainer)
     sizes = [None] * world
     dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
+    read_counts = [None] * world
+    dist.all_gather_object(read_counts, len(reads))
     if rank == 0:
         saved = {"loss": loss.item(), "grad_norm": stats["grad_norm"], "grads": grads}
         saved["device"] = trainer.device.type
-        torch.save({**saved, "bytes": sizes, "kept": kept[0]}, out)
+        torch.save({**saved, "bytes": sizes, "kept": kept[0], "reads": read_counts}, out)
     dist.destroy_process_group()
 
 
