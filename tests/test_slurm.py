@@ -91,7 +91,9 @@ def steps_so_far(run_dir: Path) -> list[int]:
 def requeue(job_id: str) -> None:
     """Send what Slurm sends before the time limit (--signal=USR2@...) and a preemption test
     sends, and wait until the job is requeued; Slurm then holds it back for a while
-    (BeginTime), so let it start again at once."""
+    (BeginTime), so let it start again soon. Not in the same second: a node refuses a job whose
+    credential is not newer than its revocation of the job's previous run, which it counts in
+    whole seconds ("Job credential revoked", and the job FAILS)."""
     slurm.slurm("scancel", "--signal=USR2", job_id)
     wait_until(
         lambda: slurm.job_states([job_id])[job_id].state == "PENDING",
@@ -99,6 +101,7 @@ def requeue(job_id: str) -> None:
         f"job {job_id} to be requeued",
         poll=0.5,
     )
+    time.sleep(2)
     slurm.slurm("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 

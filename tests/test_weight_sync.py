@@ -5,6 +5,7 @@ which `weights/step_N` it keeps."""
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -60,7 +61,19 @@ def receive_twice(spec: GroupSpec, member: str, out: Any) -> None:
         failed = str(err)
     third: dict[str, torch.Tensor] = {}
     last = receiver.receive(lambda tensors: third.update((n, t.clone()) for n, t in tensors))
-    out.put((receiver.rank, first, got, failed, last, third))
+    out.put(pickled((receiver.rank, first, got, failed, last, third)))
+
+
+def pickled(result: Any) -> bytes:
+    """`result` as bytes: a queue would pass tensors as shared-memory file descriptors, which
+    are lost when this process exits before the test has read them."""
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def unpickled(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -81,7 +94,7 @@ def test_updates_arrive_bit_identical_over_gloo() -> None:
         sent = sender.send(5, updates(0))
         sender.send(6, updates(1))
         sender.send(7, updates(2))
-        results = [out.get(timeout=120) for _ in procs]
+        results = [unpickled(out.get(timeout=120)) for _ in procs]
     finally:
         for proc in procs:
             proc.join(timeout=30)
