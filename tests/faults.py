@@ -40,3 +40,29 @@ class KillAtStep(threading.Thread):
                 self.killed_pid = pid
                 return
             time.sleep(0.05)
+
+
+class KillInTurn(threading.Thread):
+    """Kill -9 each role of `kills` ((role, step) pairs) at its step as KillAtStep does, one
+    after another: the next only once the launcher has restarted the one before (a new pid in
+    pids.json). `killed` maps each role killed to the pid it had."""
+
+    def __init__(self, run_dir: Path, kills: list[tuple[str, int]], timeout: float = 600.0):
+        super().__init__(daemon=True)
+        self.run_dir, self.kills, self.timeout = run_dir, kills, timeout
+        self.killed: dict[str, int] = {}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        for role, step in self.kills:
+            killer = KillAtStep(self.run_dir, role, step, self.timeout)
+            killer.stopped = self.stopped
+            killer.run()
+            if killer.killed_pid is None:
+                return
+            self.killed[role] = killer.killed_pid
+            deadline = time.monotonic() + self.timeout
+            while not self.stopped.is_set() and time.monotonic() < deadline:
+                if json.loads((self.run_dir / "pids.json").read_text())[role] != killer.killed_pid:
+                    break
+                time.sleep(0.05)

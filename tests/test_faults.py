@@ -1,4 +1,4 @@
-"""Fault tolerance through the real launcher: kill -9 each role once during a short run.
+"""Fault tolerance through the real launcher: kill -9 each role once, in turn, during a short run.
 
 The launcher restarts the role (the queue from its SQLite store, the orchestrator from the
 batches the queue holds, the trainer from its last checkpoint, inference with the newest
@@ -19,16 +19,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.faults import KillAtStep, trained_steps
+from tests.faults import KillAtStep, KillInTurn, trained_steps
 from tests.test_run import assert_no_process_left
 
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-# Checkpoints every 20 steps: a trainer killed at step 30 resumes from step 20 and trains
+# Checkpoints every 20 steps: a trainer killed after step 20 resumes from step 20 and trains
 # steps 21.. again from the same batches.
 RUN = [f"max_steps={STEPS}", "trainer.checkpoint_every=20", "environment.eval_every=30"]
-KILL_AT = 30
+# Each role is killed once, in turn, in one run; the trainer after step 32 resumes from its
+# checkpoint at step 20.
+KILLS = [("queue", 8), ("inference-0", 16), ("orchestrator", 24), ("trainer", 32)]
 # Final exact match of a disturbed run against the undisturbed one, on 200 held-out words:
 # seeds and the timing of asynchronous generation already move it by about this much.
 EVAL_RANGE = 0.15
@@ -74,27 +76,27 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> float:
     return final_eval(run_dir)
 
 
-@pytest.mark.parametrize("role", ["queue", "inference-0", "orchestrator", "trainer"])
-def test_run_survives_kill_9_of_a_role(
-    tmp_path: Path, cache: Path, undisturbed: float, role: str
+def test_run_survives_kill_9_of_each_role_in_turn(
+    tmp_path: Path, cache: Path, undisturbed: float
 ) -> None:
     run_dir = tmp_path / "run"
-    killer = KillAtStep(run_dir, role, KILL_AT)
+    killer = KillInTurn(run_dir, KILLS)
     killer.start()
     out = subprocess.run(
         rl(run_dir, cache), cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900
     )
     killer.stopped.set()
-    assert killer.killed_pid is not None, "the role was never killed"
+    assert list(killer.killed) == [role for role, _ in KILLS], (killer.killed, out.stderr[-3000:])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"role {role} exited with code -9: restarting it (1 of 3)" in out.stderr
+    for role, _ in KILLS:
+        assert f"role {role} exited with code -9: restarting it (1 of 3)" in out.stderr, role
+        log = (run_dir / "logs" / f"{role}.log").read_text()
+        assert "--- exited with code -9; restarting ---" in log, role
+    trainer = (run_dir / "logs" / "trainer.log").read_text()
+    assert "resumed from" in trainer and "continuing at step 21" in trainer
+    orchestrator = (run_dir / "logs" / "orchestrator.log").read_text()
+    assert "resuming: the queue holds batches" in orchestrator
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
-    log = (run_dir / "logs" / f"{role}.log").read_text()
-    assert "--- exited with code -9; restarting ---" in log
-    if role == "trainer":
-        assert "resumed from" in log and "continuing at step 21" in log
-    if role == "orchestrator":
-        assert "resuming: the queue holds batches" in log
     assert abs(final_eval(run_dir) - undisturbed) <= EVAL_RANGE, (final_eval(run_dir), undisturbed)
     assert_no_process_left(run_dir)
 

@@ -247,19 +247,14 @@ def test_broadcast_update_matches_embedded_engine(
     assert status["policy_version"] == 4 and status["receivers"] == 1 and not status["error"]
 
 
-def test_no_vllm_left_after_the_role_is_killed(cfg: DictConfig, tmp_path: Path) -> None:
-    run_dir = write_run_dir(tmp_path / "run", cfg, TOKEN)
-    proc = start_role("inference", run_dir, "--replica", "0", "--", *vllm_args(cfg, 1, None))
-    try:
-        log = run_dir / "inference.log"
-        deadline = time.monotonic() + 600
-        while "started vLLM" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        pid = int(re.findall(r"started vLLM \(pid (\d+)\)", log.read_text())[-1])
-        wait_for_address(run_dir, "inference-0", timeout=600)
-    finally:
-        stop_role(proc, signal.SIGKILL)  # no chance to clean up: the kernel's signal must
+def test_no_vllm_left_after_the_role_is_killed(server: SimpleNamespace) -> None:
+    """Runs last: ends the module's server without a chance to clean up (SIGKILL to the role's
+    process group); the kernel's parent-death signal must take vLLM, in a group of its own,
+    with it."""
+    log = (server.run_dir / "inference.log").read_text()
+    pid = int(re.findall(r"started vLLM \(pid (\d+)\)", log)[-1])
+    assert group_alive(pid)
+    stop_role(server.proc, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while group_alive(pid):
         assert time.monotonic() < deadline, "vLLM outlived its inference role"
