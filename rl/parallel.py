@@ -204,10 +204,10 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Whole, unsharded weights on CPU (a collective under FSDP: every rank calls it; rank 0
-    gets them)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def full_state_dict(model: torch.nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """Whole, unsharded weights (a collective under FSDP: every rank calls it). Rank 0 gets
+    them on the host; with `every_rank`, every rank gets them, on its device."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
     return get_model_state_dict(model, options=options)
 
 

@@ -387,7 +387,7 @@ class Trainer:
         """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
         reference = load_model(self.base, dtype=self.cfg.model.dtype, device=self.device)
         reference.load_state_dict(
-            state if state is not None else parallel.full_state_dict(self.model)
+            state if state is not None else parallel.full_state_dict(self.model, every_rank=True)
         )
         return reference.eval().requires_grad_(False)
 

@@ -79,6 +79,12 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     with counting_reads() as reads:
         trainer = _trainer(rank, world, init_file, run_dir)
     mine = _mine(synthetic_samples(8, seed=0), trainer)
+    if trainer.cfg.algorithm.kl_coef > 0:
+        # Every rank's whole reference, moved off the policy so that the KL term is not zero.
+        trainer.reference = trainer.make_reference()
+        with torch.no_grad():
+            for p in trainer.reference.parameters():
+                p.mul_(0.5)
     kept = [0]  # elements of the tensors autograd keeps for the backward pass
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ def assert_same_gradients(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 EP = "parallel.trainer.ep=2"
 AC = "trainer.activation_checkpointing=true"
+KL = ["algorithm=grpo", "algorithm.kl_coef=1.0"]  # GRPO's loss is the one with a KL term
 # Layouts whose one step is compared with a single process: id -> (world, model, options,
 # shards: the degree each weight is split over).
 LAYOUTS = {
@@ -90,6 +91,9 @@ def steps(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     for name, (world, model, options, _) in LAYOUTS.items():
         add(world, name, dist_workers.one_step, f"model={model}", *options)
     add(2, "uneven", dist_workers.uneven_micro_batches, "parallel=fsdp")
+    add(1, "single-grpo", dist_workers.one_step, "parallel=single", KL[0])
+    add(1, "single-kl", dist_workers.one_step, "parallel=single", *KL)
+    add(2, "fsdp2-kl", dist_workers.one_step, "parallel=fsdp", *KL)
     for world, jobs in runs.items():
         mp.spawn(dist_workers.in_sequence, args=(world, jobs), nprocs=world, join=True)
     return {name: torch.load(out) for name, out in outs.items()}
@@ -112,6 +116,17 @@ def test_one_step_matches_a_single_process(steps: dict[str, Any], layout: str) -
         # Dim-0 shards are padded to a multiple of the degree, and a tensor's rows split
         # unevenly when they do not divide: within a few percent of whole / shards.
         assert whole / shards * 0.95 - 4096 <= held <= whole / shards * 1.05 + 4096, held
+
+
+def test_kl_reference_on_sharded_ranks(steps: dict[str, Any]) -> None:
+    """With `algorithm.kl_coef > 0` each rank builds the whole reference from the sharded
+    policy (rank 1 used to get an empty state dict and fail)."""
+    want, got = steps["single-kl"], steps["fsdp2-kl"]
+    no_kl = steps["single-grpo"]["loss"]
+    assert abs(want["loss"] - no_kl) > 1e-3  # the KL term counts
+    assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL)
+    assert_same_gradients(got["grads"], want["grads"])
 
 
 def test_ranks_with_different_micro_batch_counts_step_together(steps: dict[str, Any]) -> None:
