@@ -68,7 +68,7 @@ def start_queue(run_dir: Path) -> subprocess.Popen[bytes]:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (run_dir / "token").write_text(TOKEN)
     return subprocess.Popen(
-        [sys.executable, "-m", "rl.queue", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "rl.rollout_queue", "--run-dir", str(run_dir)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

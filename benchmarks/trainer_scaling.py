@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rl.packing import pack_rows  # noqa: E402
-from tests.conftest import TOKEN, compose_run, write_run_dir  # noqa: E402
+from rl.testing import TOKEN, compose_run, write_run_dir  # noqa: E402
 
 MODEL = [  # a Qwen3 of 3.2M parameters (12.7 MB): arithmetic, not overhead, dominates
     "model.num_layers=4",

@@ -40,7 +40,7 @@ from rl.runtime import auth_headers, wait_for_address
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the role helpers the tests use
-from tests.conftest import start_role, stop_role, write_run_dir  # noqa: E402
+from rl.testing import start_role, stop_role, write_run_dir  # noqa: E402
 
 TOKEN = "bench"
 LARGER = [

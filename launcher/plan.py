@@ -418,7 +418,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     gpus = cfg.cluster.gpus_per_node
     run_args = ["--run-dir", "${RELAY_RUN_DIR}"]
     processes: list[Process] = [
-        Process("queue", "queue", ["python", "-m", "rl.queue", *run_args], job="control"),
+        Process("queue", "queue", ["python", "-m", "rl.rollout_queue", *run_args], job="control"),
         Process(
             "orchestrator",
             "orchestrator",

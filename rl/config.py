@@ -482,3 +482,12 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="relay_schema", node=RunConfig)
+
+
+# Each role's entry point (`python -m <module> --run-dir ...`).
+ROLE_MODULES = {
+    "queue": "rl.rollout_queue",
+    "inference": "rl.inference",
+    "orchestrator": "rl.orchestrator",
+    "trainer": "rl.trainer",
+}

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from rl.broadcast import add_routes
 from rl.config import Backend
-from rl.http import bearer_guard
+from rl.auth import bearer_guard
 from rl.model import (
     encode_prompt,
     ensure_checkpoint,

@@ -34,7 +34,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 
 import rl
 from rl.broadcast import add_routes
-from rl.http import bearer_guard
+from rl.auth import bearer_guard
 from rl.model import ensure_checkpoint, is_complete, load_tokenizer
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
 from rl.weight_sync import GroupSpec

@@ -21,7 +21,7 @@ from rl.envs.code_tasks import make_task
 from rl.model import build_char_tokenizer
 from rl.orchestrator import run_episodes, score_group
 from rl.tools import ToolCall
-from tests.conftest import ROOT, compose_run
+from rl.testing import ROOT, compose_run
 
 SAMPLE = 12  # eval tasks the scripted and random policies play
 

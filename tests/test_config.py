@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rl.config import GROUPS
-from tests.conftest import ROOT, compose_run, options
+from rl.testing import ROOT, compose_run, options
 
 
 def rl(*args: str) -> subprocess.CompletedProcess[str]:

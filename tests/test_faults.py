@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from rl.testing import ROOT
 from tests.faults import KillAtStep, KillInTurn, trained_steps
 from tests.test_run import assert_no_process_left
 

@@ -32,7 +32,7 @@ from rl.model import (
     publish_weights,
 )
 from rl.runtime import auth_headers, wait_for_address
-from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
+from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
 
 PROMPTS = ["hello world", "ab", "the quick brown fox jumps over"]
 TOKEN = "test-token"

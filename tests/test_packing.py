@@ -9,7 +9,7 @@ import torch
 from rl.model import ensure_checkpoint, load_model
 from rl.packing import pack_rows, packed_logprobs, padding_waste
 from rl.trainer import pad_batch, token_logprobs
-from tests.conftest import compose_run
+from rl.testing import compose_run
 
 
 def test_rows_are_filled_longest_first_within_capacity() -> None:

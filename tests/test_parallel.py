@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from rl.model import load_model
 from rl.parallel import ParallelDims, from_config
 from tests import dist_workers
-from tests.conftest import TOKEN, compose_run, write_run_dir
+from rl.testing import TOKEN, compose_run, write_run_dir
 
 RTOL = 1e-5
 

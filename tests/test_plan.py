@@ -7,7 +7,7 @@ import json
 import pytest
 
 from launcher.plan import PlanError, format_plan, plan
-from tests.conftest import compose_run, options
+from rl.testing import compose_run, options
 
 DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
 MOE = ("qwen3_30b_a3b", "minimax_m2", "glm5")

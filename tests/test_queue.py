@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl import wire
-from rl.queue import pack, shard
+from rl.rollout_queue import pack, shard
 from rl.runtime import auth_headers, wait_for_address
-from tests.conftest import compose_run, start_role, stop_role, write_run_dir
+from rl.testing import compose_run, start_role, stop_role, write_run_dir
 
 TOKEN = "queue-test-token"
 GROUPS_PER_STEP = 3

@@ -11,7 +11,7 @@ import pytest
 from rl.envs import Example, make_environment
 from rl.envs.reasoning import TAG_INSTRUCTION
 from rl.orchestrator import InferenceClient
-from tests.conftest import TOKEN, compose_run, embedded_server
+from rl.testing import TOKEN, compose_run, embedded_server
 
 ENVS = ["arithmetic", "gsm8k", "countdown"]
 SMALL = ("environment.eval_size=20", "environment.args.train_size=40")

@@ -12,7 +12,7 @@ from rl.envs import Example, make_environment
 from rl.model import newest_version
 from rl.orchestrator import no_signal, score_group
 from rl.trainer import pad_batch, token_logprobs
-from tests.conftest import compose_run
+from rl.testing import compose_run
 
 
 def choice(text: str, ids: list[int], version: int) -> dict:

@@ -18,7 +18,7 @@ import pytest
 
 from launcher.local import group_alive
 from rl.model import published_versions
-from tests.conftest import ROOT
+from rl.testing import ROOT
 
 pytestmark = pytest.mark.slow
 

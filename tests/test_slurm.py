@@ -298,7 +298,7 @@ def test_gpus_read_from_a_nodes_gres(gres: str, gpus: int) -> None:
 
 def test_sbatch_options_follow_the_plan() -> None:
     from launcher.plan import plan
-    from tests.conftest import compose_run
+    from rl.testing import compose_run
 
     cfg = compose_run(
         "model=glm5",

@@ -25,7 +25,7 @@ from rl.model import (
     load_tokenizer,
 )
 from tests import test_inference
-from tests.conftest import compose_run
+from rl.testing import compose_run
 
 # Fixtures reused as they are: a private RELAY_CACHE, and a real `python -m rl.inference`
 # process that serves this module's `cfg` and `checkpoint`.

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from rl.envs import make_environment
-from tests.conftest import ROOT, TOKEN, compose_run, embedded_server
+from rl.testing import ROOT, TOKEN, compose_run, embedded_server
 
 ENV_PACKAGES = ROOT / "tests" / "verifiers_envs" / "relay_reverse"
 

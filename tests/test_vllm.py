@@ -40,7 +40,7 @@ from rl.model import (
 )
 from rl.runtime import auth_headers, wait_for_address
 from rl.trainer import pad_batch, token_logprobs
-from tests.conftest import ROOT, compose_run, start_role, stop_role, write_run_dir
+from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
 pytestmark = [

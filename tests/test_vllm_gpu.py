@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from rl.broadcast import InferenceBroadcaster
 from rl.model import load_model
-from tests.conftest import compose_run
+from rl.testing import compose_run
 from tests.test_vllm import complete, greedy, trained_checkpoint, vllm_server
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON") or (

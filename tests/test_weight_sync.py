@@ -25,7 +25,7 @@ from rl.model import (
     published_versions,
 )
 from rl.weight_sync import GroupSpec, TensorSpec, WeightReceiver, WeightSender, buckets
-from tests.conftest import compose_run
+from rl.testing import compose_run
 
 
 def updates(seed: int) -> dict[str, torch.Tensor]:

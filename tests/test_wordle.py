@@ -17,7 +17,7 @@ from rl.envs.wordle import feedback, parse_guess
 from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
 from rl.orchestrator import InferenceClient, run_episodes, score_group
 from rl.trainer import Trainer, trained_tokens
-from tests.conftest import TOKEN, compose_run, embedded_server
+from rl.testing import TOKEN, compose_run, embedded_server
 
 
 @pytest.fixture(scope="module")

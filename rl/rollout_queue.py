@@ -21,7 +21,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 
 from rl import wire
-from rl.http import bearer_guard
+from rl.auth import bearer_guard
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (

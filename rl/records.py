@@ -1,0 +1,288 @@
+"""What crosses a process boundary, as typed records.
+
+- `Sample` and `Group` (an RL group: the completions of one prompt) go from the orchestrator to
+  the rollout queue, stored, and on to the trainer; `BatchShard` is one trainer rank's share of
+  a step's batch. On the wire they travel in rl/wire.py's binary format or as JSON; `parse`
+  turns what arrived into these types or raises `RecordError` naming the first bad field.
+- `TrainRecord` and `EvalRecord` are the lines of metrics.jsonl. Every line carries `kind`
+  (`train` or `eval`), which is how readers tell them apart.
+
+Torch-free, and numpy only for the arrays a decoded message holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+INT32 = (-(2**31), 2**31 - 1)
+ARRAY_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+class RecordError(ValueError):
+    """A record that does not validate; the text names the field."""
+
+
+class RecordKind(StrEnum):
+    train = "train"
+    eval = "eval"
+
+
+def is_train(record: dict[str, Any]) -> bool:
+    return record.get("kind") == RecordKind.train
+
+
+def is_eval(record: dict[str, Any]) -> bool:
+    return record.get("kind") == RecordKind.eval
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _valid_spans(spans: Any, length: int) -> bool:
+    """Whether `spans` are ordered, disjoint [begin, end) pairs within 0..length."""
+    if not isinstance(spans, list):
+        return False
+    at = 0
+    for span in spans:
+        if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
+            return False
+        if not at <= span[0] < span[1] <= length:
+            return False
+        at = span[1]
+    return True
+
+
+Array = list[int] | list[float] | np.ndarray
+
+
+@dataclass
+class Sample:
+    """One completion (or multi-turn episode) with what the trainer needs to learn from it."""
+
+    prompt_ids: Array
+    """Prompt token ids."""
+    completion_ids: Array
+    """Sampled token ids (for an episode: model turns and the environment's replies)."""
+    logprobs: Array
+    """The inference policy's log-probability of each completion token (0 on replies)."""
+    reward: float
+    """The environment's reward."""
+    advantage: float
+    """The advantage the loss weights this sample's tokens by."""
+    min_version: int
+    """Oldest policy version that generated a token of it."""
+    max_version: int
+    """Newest policy version that generated a token of it (a weight swap mid-rollout)."""
+    env_spans: list[list[int]] = field(default_factory=list)
+    """[begin, end) spans of the completion written by the environment: no loss there."""
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """Per-episode numbers the environment keeps, logged as batch means `env/<name>`."""
+    filtered_groups: int = 0
+    """Groups the orchestrator dropped for having no signal while filling this batch (set on
+    the batch's first sample only)."""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens that carry loss: all but the environment's turns."""
+        return len(self.completion_ids) - sum(end - begin for begin, end in self.env_spans)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sample as the wire format and JSON carry it (optional fields only when set)."""
+        out: dict[str, Any] = {
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "logprobs": self.logprobs,
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "min_version": self.min_version,
+            "max_version": self.max_version,
+        }
+        if self.env_spans:
+            out["env_spans"] = self.env_spans
+        if self.env_metrics:
+            out["env_metrics"] = self.env_metrics
+        if self.filtered_groups:
+            out["filtered_groups"] = self.filtered_groups
+        return out
+
+    @classmethod
+    def parse(cls, raw: Any, where: str = "sample", check_arrays: bool = True) -> Sample:
+        """A Sample from a decoded dict; RecordError naming the first bad field. Arrays that
+        came as numpy (the binary wire format) are typed by the format and not re-checked."""
+        if not isinstance(raw, dict):
+            raise RecordError(f"{where} must be an object")
+        for key in ("min_version", "max_version"):
+            if not _is_int(raw.get(key)):
+                raise RecordError(f"{where}.{key} must be an integer")
+        for key in ("reward", "advantage"):
+            if not _is_number(raw.get(key)):
+                raise RecordError(f"{where}.{key} must be a finite number")
+        arrays = [raw.get(k) for k in ARRAY_KEYS]
+        if not all(isinstance(a, list | np.ndarray) for a in arrays):
+            raise RecordError(f"{where}: prompt_ids, completion_ids, logprobs must be lists")
+        prompt, completion, logprobs = arrays
+        if len(logprobs) != len(completion) or len(completion) == 0:
+            raise RecordError(f"{where}: completion_ids empty or unlike logprobs in length")
+        metrics = raw.get("env_metrics", {})
+        if not isinstance(metrics, dict) or not all(
+            isinstance(k, str) and _is_number(v) for k, v in metrics.items()
+        ):
+            raise RecordError(f"{where}.env_metrics must map names to finite numbers")
+        spans = raw.get("env_spans", [])
+        if not _valid_spans(spans, len(completion)):
+            raise RecordError(
+                f"{where}.env_spans must be ordered [begin, end) pairs inside the completion"
+            )
+        filtered = raw.get("filtered_groups", 0)
+        if not _is_int(filtered) or filtered < 0:
+            raise RecordError(f"{where}.filtered_groups must be a non-negative integer")
+        if check_arrays:
+            ids = list(prompt) + list(completion)
+            if not all(_is_int(t) and INT32[0] <= t <= INT32[1] for t in ids):
+                raise RecordError(f"{where}: token ids must be 32-bit integers")
+            if not all(_is_number(x) for x in logprobs):
+                raise RecordError(f"{where}: logprobs must be finite numbers")
+        return cls(
+            prompt_ids=prompt,
+            completion_ids=completion,
+            logprobs=logprobs,
+            reward=float(raw["reward"]),
+            advantage=float(raw["advantage"]),
+            min_version=raw["min_version"],
+            max_version=raw["max_version"],
+            env_spans=spans,
+            env_metrics=dict(metrics),
+            filtered_groups=filtered,
+        )
+
+
+@dataclass
+class Group:
+    """An RL group: the scored completions of one prompt, and the versions that made them."""
+
+    samples: list[Sample]
+    """The completions (group_size of them; advantages are taken within the group)."""
+    min_version: int
+    """Oldest policy version behind any of its tokens (staleness is counted from it)."""
+    max_version: int
+    """Newest policy version behind any of its tokens."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": [s.to_dict() for s in self.samples],
+            "min_version": self.min_version,
+            "max_version": self.max_version,
+        }
+
+    @classmethod
+    def parse(cls, raw: Any, where: str = "group", check_arrays: bool = True) -> Group:
+        """A Group from a decoded dict; RecordError naming the first bad field."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("samples"), list):
+            raise RecordError(f"{where} must be an object with a 'samples' list")
+        if not raw["samples"]:
+            raise RecordError(f"{where}.samples is empty")
+        for key in ("min_version", "max_version"):
+            if not _is_int(raw.get(key)):
+                raise RecordError(f"{where}.{key} must be an integer")
+        samples = [
+            Sample.parse(s, f"{where}.samples[{i}]", check_arrays)
+            for i, s in enumerate(raw["samples"])
+        ]
+        return cls(samples, raw["min_version"], raw["max_version"])
+
+
+@dataclass
+class BatchShard:
+    """One trainer rank's share of step `step`'s batch, packed into micro-batches."""
+
+    step: int
+    """The trainer step (the batch number) it belongs to."""
+    samples: list[Sample]
+    """This rank's samples (token-balanced across ranks)."""
+    micro_batches: list[list[int]]
+    """Indices into `samples`: one forward/backward pass each, under the token budget."""
+    groups: int
+    """Groups in the whole batch."""
+    dropped: int
+    """Groups dropped as too stale when the batch was assembled."""
+    depth: int
+    """Groups waiting in the queue when this shard was served."""
+
+    def meta(self) -> dict[str, Any]:
+        """Everything but the samples (the wire format's header)."""
+        return {
+            "step": self.step,
+            "groups": self.groups,
+            "dropped": self.dropped,
+            "depth": self.depth,
+            "micro_batches": self.micro_batches,
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any], samples: list[dict[str, Any]]) -> BatchShard:
+        return cls(
+            step=meta["step"],
+            samples=[Sample.parse(s, check_arrays=False) for s in samples],
+            micro_batches=meta["micro_batches"],
+            groups=meta["groups"],
+            dropped=meta["dropped"],
+            depth=meta["depth"],
+        )
+
+
+@dataclass
+class EvalRecord:
+    """A held-out evaluation of one policy version (a line of metrics.jsonl)."""
+
+    step: int
+    """The policy version evaluated."""
+    exact_match: float
+    """Share of held-out prompts answered exactly."""
+    reward_mean: float
+    """Mean held-out reward."""
+    samples: int
+    """Held-out prompts scored."""
+    time_s: float
+    """Seconds the evaluation took."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": RecordKind.eval.value,
+            "step": self.step,
+            "eval/exact_match": self.exact_match,
+            "eval/reward/mean": self.reward_mean,
+            "eval/samples": self.samples,
+            "time/eval": self.time_s,
+        }
+
+
+@dataclass
+class TrainRecord:
+    """One trainer step (a line of metrics.jsonl); `metrics` holds the step's numbers under
+    their logged names (`reward/mean`, `loss`, `throughput/samples_per_s`, `env/...`)."""
+
+    step: int
+    """The policy version this step produced (steps count from 1)."""
+    metrics: dict[str, Any]
+    """The step's numbers by logged name."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": RecordKind.train.value, "step": self.step, **self.metrics}
