@@ -91,6 +91,7 @@ def rank_main(
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    from rl.records import Sample
     from rl.trainer import Trainer
 
     trainer = Trainer(Path(run_dir))
@@ -101,7 +102,7 @@ def rank_main(
         parts = micro_batches(batch, budget)
         dist.barrier()
         t0 = time.perf_counter()
-        trainer.train_step(batch, parts)
+        trainer.train_step([Sample.parse(s) for s in batch], parts)
         dist.barrier()
         if step:  # step 0 warms up
             elapsed += time.perf_counter() - t0

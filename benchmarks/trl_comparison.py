@@ -42,7 +42,8 @@ from omegaconf import DictConfig
 from rl.config import register
 from rl.envs import Environment, Example, make_environment
 from rl.inference import generate
-from rl.model import COMPLETE, ensure_checkpoint, load_model, load_tokenizer
+from rl.model import ensure_checkpoint, load_model, load_tokenizer
+from rl.rundir import mark_complete
 from rl.trainer import sft_batch, token_logprobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +78,7 @@ def warm_up(cfg: DictConfig, target: Path) -> Path:
         optimizer.step()
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    (target / COMPLETE).touch()
+    mark_complete(target)
     return target
 
 

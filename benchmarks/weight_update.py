@@ -28,7 +28,6 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from launcher.plan import vllm_args
-from rl.broadcast import InferenceBroadcaster
 from rl.config import register
 from rl.model import (
     ensure_checkpoint,
@@ -37,6 +36,7 @@ from rl.model import (
     publish_weights,
 )
 from rl.runtime import auth_headers, wait_for_address
+from rl.weights.broadcast import InferenceBroadcaster
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the role helpers the tests use

@@ -21,8 +21,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
-    from launcher.errors import ConfigError
-    from launcher.plan import PlanError
+    from launcher.errors import ConfigError, PlanError
     from launcher.run import launch
 
     try:

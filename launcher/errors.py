@@ -1,4 +1,8 @@
-"""Turning Hydra and OmegaConf composition errors into one line a user can act on."""
+"""The launcher's two user errors, and turning Hydra and OmegaConf composition errors into one
+line a user can act on.
+
+A leaf: every launcher module raises these, so this one imports none of them.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ import re
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher.plan import PlanError
-
 
 class ConfigError(ValueError):
     """A run config that cannot start (already phrased for the user)."""
+
+
+class PlanError(ValueError):
+    """A config that cannot run; the message names the key and what would be valid."""
 
 
 def _options(group: str) -> list[str]:

@@ -1,8 +1,10 @@
 """Run planning: one pure function from a composed config to every process of the run.
 
 All cross-group checks and derived values live here (trainer world size, nodes sized from
-memory, vLLM arguments per replica), so a bad combination fails before anything starts and the
-plan a dry run prints is exactly what the launcher executes. No torch, no I/O.
+memory, vLLM arguments per replica, each Slurm job's sbatch options), so a bad combination fails
+before anything starts and the plan a dry run prints is exactly what the launcher executes. The
+values the roles derive too (backend, served length, learning rate, mesh degrees) come from
+rl/derive.py, so the plan and the roles cannot disagree. No torch, no I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher.errors import PlanError
 from rl.config import Backend, BroadcastBackend, ClusterKind, WeightTransport
+from rl.derive import (
+    LayoutError,
+    broadcast_backend,
+    inference_backend,
+    learning_rate,
+    max_model_len,
+    trainer_dims,
+)
 from rl.envs import REGISTRY as ENVIRONMENTS
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
@@ -27,14 +38,10 @@ INFERENCE_WEIGHT_FRACTION = 0.8
 # Fewest tokens per context-parallel rank for which splitting a sequence pays off.
 MIN_TOKENS_PER_CP_RANK = 64
 # vLLM worker methods that receive broadcast weights (inference.weight_transport=broadcast).
-VLLM_WORKER_EXTENSION = "rl.weight_sync.VllmWorkerExtension"
+VLLM_WORKER_EXTENSION = "rl.weights.sync.VllmWorkerExtension"
 # KV cache a vLLM CPU server reserves (the tiny models served on CPU need far less).
 CPU_KV_CACHE_BYTES = 512 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
-
-
-class PlanError(ValueError):
-    """A config that cannot run; the message names the key and what would be valid."""
 
 
 @dataclass
@@ -68,6 +75,43 @@ class Job:
     exclusive: bool = False
 
 
+def sbatch_parameters(job: Job, run_name: str, cfg: DictConfig) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for one job (one supervisor task per node)."""
+    params: dict[str, Any] = {
+        "job_name": f"{run_name}-{job.name}",
+        "nodes": job.nodes,
+        "ntasks_per_node": 1,
+        "cpus_per_task": job.cpus_per_task,
+        "mem": f"{job.mem_gb}GB",
+        "time": job.time_min,
+        "signal_delay_s": cfg.cluster.signal_delay_s,
+        "stderr_to_stdout": True,
+    }
+    optional = {
+        "partition": job.partition,
+        "account": job.account,
+        "qos": job.qos,
+        "constraint": job.constraint,
+        "gpus_per_node": job.gpus_per_node or None,
+        "exclusive": True if job.exclusive else None,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def sbatch_flags(job: Job, run_name: str, cfg: DictConfig) -> str:
+    """The job's sbatch options as a dry run shows them."""
+    params = sbatch_parameters(job, run_name, cfg)
+    params["signal"] = f"USR2@{params.pop('signal_delay_s')}"
+    params.pop("stderr_to_stdout")
+    params.update(job.sbatch_extra)
+    flags = []
+    for key, value in params.items():
+        flag = "--" + key.replace("_", "-")
+        flags.append(flag if value is True else f"{flag}={value}")
+    return " ".join(flags)
+
+
 @dataclass
 class RunPlan:
     """Every process of a run, where it runs, and the values derived for it."""
@@ -80,6 +124,8 @@ class RunPlan:
     trainer_world_size: int
     mesh: dict[str, int]
     lr: float
+    max_model_len: int
+    broadcast_backend: str
     batch_size: int
     notes: list[str]
 
@@ -95,50 +141,21 @@ def _fail(key: str, message: str) -> None:
 
 
 def _trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
-    """Trainer degrees with dp_shard=-1 resolved; checks the ranks fit the trainer's nodes."""
-    par, cluster = cfg.parallel.trainer, cfg.cluster
-    for key in ("dp_replicate", "cp", "tp", "ep"):
-        if par[key] < 1:
-            _fail(f"parallel.trainer.{key}={par[key]}", "must be >= 1")
-    if par.dp_shard == 0 or par.dp_shard < -1:
-        _fail(f"parallel.trainer.dp_shard={par.dp_shard}", "must be >= 1, or -1 to fill")
-    fixed = par.dp_replicate * par.cp * par.tp
-    # On CPU the degrees alone say how many ranks there are; on GPUs -1 fills every GPU.
-    capacity = trainer_nodes * cluster.gpus_per_node
-    if par.dp_shard != -1:
-        dp_shard = par.dp_shard
-    elif cluster.gpus_per_node == 0:
-        dp_shard = 1
-    else:
-        dp_shard = capacity // fixed
-    world = fixed * dp_shard
-    if cluster.gpus_per_node and (
-        dp_shard < 1 or world % trainer_nodes or world // trainer_nodes > cluster.gpus_per_node
-    ):
+    """Trainer degrees with dp_shard=-1 resolved (rl/derive.py); checks the ranks split evenly
+    over the trainer's nodes. On CPU the degrees alone say how many ranks there are."""
+    par, gpus = cfg.parallel.trainer, cfg.cluster.gpus_per_node
+    try:
+        dims = trainer_dims(par, trainer_nodes * gpus if gpus else None)
+    except LayoutError as err:
+        raise PlanError(str(err)) from None
+    if gpus and (dims.world % trainer_nodes or dims.world // trainer_nodes > gpus):
         _fail(
             "parallel.trainer",
-            f"dp_replicate x dp_shard x cp x tp = {par.dp_replicate} x {par.dp_shard} x "
-            f"{par.cp} x {par.tp} ranks do not split evenly over {trainer_nodes} node(s) of "
-            f"{cluster.gpus_per_node} GPUs; use dp_shard=-1 to fill them",
+            f"dp_replicate x dp_shard x cp = {par.dp_replicate} x {par.dp_shard} x {par.cp} "
+            f"ranks do not split evenly over {trainer_nodes} node(s) of {gpus} GPUs; use "
+            f"dp_shard=-1 to fill them",
         )
-    if par.tp > max(cluster.gpus_per_node, 1):
-        _fail(
-            f"parallel.trainer.tp={par.tp}",
-            f"tensor parallelism stays inside a node of {cluster.gpus_per_node} GPUs",
-        )
-    if dp_shard % par.ep:
-        _fail(
-            f"parallel.trainer.ep={par.ep}",
-            f"must divide dp_shard={dp_shard} (expert parallelism borrows data-parallel ranks)",
-        )
-    return {
-        "dp_replicate": par.dp_replicate,
-        "dp_shard": dp_shard,
-        "cp": par.cp,
-        "tp": par.tp,
-        "ep": par.ep,
-        "world": world,
-    }
+    return dims.as_dict()
 
 
 def _check_model_fit(cfg: DictConfig) -> None:
@@ -166,7 +183,7 @@ def _check_model_fit(cfg: DictConfig) -> None:
             f"parallelism needs >= {MIN_TOKENS_PER_CP_RANK} tokens per rank "
             f"(max_tokens >= {par.trainer.cp * MIN_TOKENS_PER_CP_RANK}) or cp=1",
         )
-    max_len = model.inference.max_model_len or model.context_length
+    max_len = max_model_len(cfg)
     if env.max_tokens >= max_len:
         _fail(
             f"environment.max_tokens={env.max_tokens}",
@@ -198,7 +215,7 @@ def _trainer_nodes(cfg: DictConfig) -> int:
 
 
 def _check_trainer_memory(cfg: DictConfig, mesh: dict[str, int]) -> None:
-    """Each rank holds 1/(dp_shard x cp x tp) of the training state."""
+    """Each rank holds 1/(dp_shard x cp) of the training state."""
     gpu_gb = cfg.cluster.gpu_memory_gb
     if not (cfg.cluster.gpus_per_node and gpu_gb):
         return
@@ -257,7 +274,7 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
     if inf.expert_parallel:
         args.append("--enable-expert-parallel")
     args += ["--dtype", "float32" if cluster.gpus_per_node == 0 else model.dtype]
-    args += ["--max-model-len", str(serve.max_model_len or model.context_length)]
+    args += ["--max-model-len", str(max_model_len(cfg))]
     if cluster.gpus_per_node:
         args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
     else:
@@ -426,7 +443,7 @@ def plan(cfg: DictConfig) -> RunPlan:
             job="control",
         ),
     ]
-    backend = cfg.inference.backend or (Backend.vllm if gpus else Backend.embedded)
+    backend = inference_backend(cfg)
     # On a CPU node trainer and inference run side by side: split the cores between them
     # instead of letting both oversubscribe every core.
     # On Slurm each role group has nodes of its own.
@@ -510,12 +527,14 @@ def plan(cfg: DictConfig) -> RunPlan:
     return RunPlan(
         run_name=cfg.name,
         cluster=cfg.cluster.name,
-        backend=Backend(backend).value,
+        backend=backend.value,
         processes=processes,
         jobs=jobs,
         trainer_world_size=mesh["world"],
         mesh=mesh,
-        lr=cfg.algorithm.lr if cfg.algorithm.lr is not None else cfg.model.lr,
+        lr=learning_rate(cfg),
+        max_model_len=max_model_len(cfg),
+        broadcast_backend=broadcast_backend(cfg).value,
         batch_size=env.prompts_per_step * env.group_size,
         notes=notes,
     )
@@ -539,8 +558,6 @@ def format_plan(p: RunPlan, cfg: DictConfig | None = None) -> str:
                 f"{j.mem_gb:>5}GB {j.time_min:>5}m  {where}"
             )
         if cfg is not None:
-            from launcher.slurm import sbatch_flags
-
             for j in p.jobs:
                 lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
     lines.append("")

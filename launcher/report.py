@@ -1,4 +1,8 @@
-"""End of a run: the reward/eval plot, the wandb run, and a summary for the terminal."""
+"""End of a run: the reward/eval plot, the wandb run, and a summary for the terminal.
+
+The local launcher and a Slurm run's control job both finish a run this way; it reads and
+writes only the run directory (rl/rundir.py), so it imports no launcher module.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rl.config import RunConfig
+from rl.records import is_eval, is_train
+from rl.rundir import RunDir, read_jsonl
+
 
 def plot(records: list[dict], target: Path) -> None:
     import matplotlib
@@ -15,8 +23,8 @@ def plot(records: list[dict], target: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if "reward/mean" in r]
-    evals = [r for r in records if "eval/exact_match" in r]
+    train = [r for r in records if is_train(r)]
+    evals = [r for r in records if is_eval(r)]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward")
     ax.plot(
@@ -37,7 +45,7 @@ def plot(records: list[dict], target: Path) -> None:
     plt.close(fig)
 
 
-def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
+def log_wandb(cfg: DictConfig | RunConfig, run: RunDir, records: list[dict]) -> str:
     """Log the run's metrics to wandb: online with an API key, offline without one."""
     mode = cfg.wandb.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     mode = os.environ.get("WANDB_MODE", mode)
@@ -46,19 +54,21 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict]) -> str:
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 
-    run = wandb.init(
+    # A role supervisor holds the typed RunConfig the run directory's config loads as.
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    wandb_run = wandb.init(
         project=cfg.wandb.project,
         group=cfg.wandb.group or sweep_group(),
-        name=f"{cfg.name}-{run_dir.name}",
-        dir=str(run_dir),
+        name=f"{cfg.name}-{run.root.name}",
+        dir=str(run.root),
         mode=mode,
-        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+        config=config,  # type: ignore[arg-type]
     )
     # Eval lines can land after later train lines; wandb needs steps in order.
     for record in sorted(records, key=lambda r: r["step"]):
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
-        run.log(numbers, step=record["step"])
-    run.finish()
+        wandb_run.log(numbers, step=record["step"])
+    wandb_run.finish()
     return mode
 
 
@@ -79,31 +89,28 @@ def read_records(metrics: Path) -> list[dict]:
     """The run's metrics records; a step a resumed trainer ran again counts once (its last
     record), as does an eval of the same policy version."""
     latest: dict[tuple[bool, int], dict] = {}
-    try:
-        lines = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    for line in lines:
-        if line.strip():
-            record = json.loads(line)
-            latest[("eval/exact_match" in record, record["step"])] = record
+    for record in read_jsonl(metrics):
+        latest[(is_eval(record), record["step"])] = record
     return list(latest.values())
 
 
-def finish_run(cfg: DictConfig, run_dir: Path, records: list[dict], wall_s: float) -> None:
+def finish_run(
+    cfg: DictConfig | RunConfig, run: RunDir, records: list[dict], wall_s: float
+) -> None:
+    """Plot, log to wandb, write summary.json and print the eval result."""
     if records:
-        plot(records, run_dir / "reward.png")
-    mode = log_wandb(cfg, run_dir, records)
-    evals = [r for r in records if "eval/exact_match" in r]
+        plot(records, run.reward_plot)
+    mode = log_wandb(cfg, run, records)
+    evals = [r for r in records if is_eval(r)]
     summary = {"wall_s": round(wall_s, 1), "wandb": mode}
     if evals:
         summary["eval/exact_match/first"] = evals[0]["eval/exact_match"]
         summary["eval/exact_match/last"] = evals[-1]["eval/exact_match"]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.summary.write_text(json.dumps(summary, indent=2))
     if evals:
         print(
             f"done in {wall_s:.0f} s: eval exact_match {evals[0]['eval/exact_match']:.3f} "
             f"(version {evals[0]['step']}) -> {evals[-1]['eval/exact_match']:.3f} "
-            f"(version {evals[-1]['step']}); plot {run_dir / 'reward.png'}",
+            f"(version {evals[-1]['step']}); plot {run.reward_plot}",
             flush=True,
         )

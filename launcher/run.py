@@ -7,8 +7,10 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from launcher.errors import ConfigError
 from launcher.plan import format_plan, plan
 from rl.config import Action, ClusterKind
+from rl.rundir import CONFIG, TOKEN, RunDir
 
 
 def launch(cfg: DictConfig) -> None:
@@ -57,33 +59,33 @@ def launch(cfg: DictConfig) -> None:
 
 def resume(target: Path) -> None:
     """Continue the run in `target` with the config it was started with."""
-    from launcher.errors import ConfigError
-    from launcher.local import group_alive, read_pids
     from rl.runtime import load_run_config
 
+    run = RunDir(target)
     others = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
     if others:
         raise ConfigError(
             f"resume={target}: takes no other overrides (got {' '.join(others)}); the run "
             f"continues with the config in its directory"
         )
-    if not (target / "config.yaml").exists() or not (target / "token").exists():
-        raise ConfigError(f"resume={target}: not a run directory (no config.yaml and token)")
-    if (target / "summary.json").exists():
-        raise ConfigError(f"resume={target}: the run has finished (summary.json is there)")
+    if not run.is_run():
+        raise ConfigError(f"resume={target}: not a run directory (no {CONFIG} and {TOKEN})")
+    if run.summary.exists():
+        raise ConfigError(f"resume={target}: the run has finished ({run.summary.name} is there)")
     cfg = load_run_config(target)
     run_plan = plan(cfg)
     if cfg.cluster.kind == ClusterKind.slurm:
         from launcher.slurm import resubmit
 
-        resubmit(cfg, run_plan, target)
+        resubmit(cfg, run_plan, run)
         return
-    alive = [name for name, pgid in read_pids(target).items() if group_alive(pgid)]
+    from launcher.local import run_local
+    from launcher.setup import running_roles
+
+    alive = running_roles(run)
     if alive:
         raise ConfigError(f"resume={target}: the run is still running ({', '.join(alive)})")
-    from launcher.local import run_local
-
-    run_local(cfg, run_plan, resume=target)
+    run_local(cfg, run_plan, resume=run)
 
 
 def _remove_if_empty(run_dir: Path) -> None:

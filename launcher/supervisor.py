@@ -12,7 +12,6 @@ inference jobs pick up from the queue's store.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,10 +20,20 @@ from typing import Any
 
 import submitit
 
-from launcher import slurm
+from launcher import slurm_cli
 from launcher.errors import ConfigError
-from launcher.local import Child, RunFailed, expand, restart_or_fail, spawn, stop_children
-from rl.runtime import CHECKPOINT_REQUEST, CHECKPOINTED, load_run_config, setup_logging
+from launcher.processes import (
+    FINISHING_ROLES,
+    Child,
+    RunFailed,
+    expand,
+    restart_or_fail,
+    spawn,
+    stop_children,
+)
+from launcher.report import finish_run, read_records
+from rl.rundir import RunDir
+from rl.runtime import load_run_config, setup_logging
 
 POLL_S = 1.0
 PEER_POLL_S = 5.0
@@ -39,8 +48,14 @@ class RunEnded(RuntimeError):
     """The run failed or was cancelled; `failure.json` says why."""
 
 
-class RoleGroup(submitit.helpers.Checkpointable):
-    """What submitit runs in each job: `RoleGroup(run_dir, job)()` on every node of the job."""
+# Named for what they hold: a job's roles and one node's supervisor ("group" in Relay is an RL
+# group, the completions of one prompt).
+class JobRoles(submitit.helpers.Checkpointable):
+    """What submitit runs in each job: `JobRoles(run_dir, job)()` on every node of the job.
+
+    submitit pickles it on the login node and the job unpickles it by its module path
+    (`launcher.supervisor.JobRoles`), so it stays a top-level class of this module.
+    """
 
     def __init__(self, run_dir: str, job: str) -> None:
         self.run_dir, self.job = run_dir, job
@@ -49,31 +64,32 @@ class RoleGroup(submitit.helpers.Checkpointable):
         return {"run_dir": self.run_dir, "job": self.job}
 
     def __call__(self) -> None:
-        self._group = Group(Path(self.run_dir), self.job)
-        self._group.run()
+        self._supervisor = NodeSupervisor(RunDir(Path(self.run_dir)), self.job)
+        self._supervisor.run()
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """submitit calls this on SIGUSR2 (time limit or preemption) and requeues what it
         returns: this job, whose roles resume from the run directory when it starts again."""
-        group = getattr(self, "_group", None)
-        if group is not None:
-            group.stop_for_requeue()
+        supervisor = getattr(self, "_supervisor", None)
+        if supervisor is not None:
+            supervisor.stop_for_requeue()
         return super().checkpoint(*args, **kwargs)
 
 
-class Group:
-    def __init__(self, run_dir: Path, job: str) -> None:
-        self.run_dir, self.job = run_dir, job
+class NodeSupervisor:
+    """One node of one job: starts the node's roles and watches them and the other jobs."""
+
+    def __init__(self, rundir: RunDir, job: str) -> None:
+        self.rundir, self.job = rundir, job
         self.node = int(os.environ.get("SLURM_NODEID", "0"))
         self.job_id = os.environ["SLURM_JOB_ID"]
-        self.cfg = load_run_config(run_dir)
-        self.plan = json.loads((run_dir / "plan.json").read_text())
+        self.cfg = load_run_config(rundir.root)
+        self.plan = rundir.read_plan()
         self.log = setup_logging(f"{job}-node{self.node}")
         self.children: list[Child] = []
         self.stopping = False
         self.bad_since: dict[str, float] = {}
-        (run_dir / "control").mkdir(exist_ok=True)
-        (run_dir / "done").mkdir(exist_ok=True)
+        rundir.control.mkdir(exist_ok=True)
 
     # --- start -----------------------------------------------------------------------------
 
@@ -90,49 +106,48 @@ class Group:
         return mine
 
     def environment(self) -> dict[str, str]:
-        nodes = slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
+        nodes = slurm_cli.hostnames(os.environ["SLURM_JOB_NODELIST"])
         here = os.environ.get("SLURMD_NODENAME", nodes[self.node])
         port = self.cfg.cluster.master_port or 20000 + int(self.job_id) % 20000
         return {
-            "RELAY_RUN_DIR": str(self.run_dir),
-            "RELAY_TOKEN": (self.run_dir / "token").read_text().strip(),
-            "RELAY_HOST": slurm.node_address(here),
-            "RELAY_MASTER_ADDR": slurm.node_address(nodes[0]),
+            "RELAY_RUN_DIR": str(self.rundir.root),
+            "RELAY_TOKEN": self.rundir.token(),
+            "RELAY_HOST": slurm_cli.node_address(here),
+            "RELAY_MASTER_ADDR": slurm_cli.node_address(nodes[0]),
             "RELAY_MASTER_PORT": str(port),
             "SLURM_NODEID": str(self.node),
         }
 
     def start(self) -> None:
         if self.job == "trainer":  # a request from before a requeue is answered already
-            for name in (CHECKPOINT_REQUEST, CHECKPOINTED):
-                (self.run_dir / name).unlink(missing_ok=True)
+            for marker in (self.rundir.checkpoint_request, self.rundir.checkpointed):
+                marker.unlink(missing_ok=True)
         values = self.environment()
-        logs = self.run_dir / "logs"
-        logs.mkdir(exist_ok=True)
+        self.rundir.logs.mkdir(exist_ok=True)
         for proc in self.processes():
             env = {**os.environ, **proc["env"], **values}
             name = proc["name"] if self.job != "trainer" else f"trainer-node{self.node}"
             argv = expand(proc["argv"], values)
-            self.children.append(spawn(name, proc["role"], argv, env, logs / f"{name}.log"))
+            self.children.append(spawn(name, proc["role"], argv, env, self.rundir.log(name)))
             self.log.info("started %s on %s: %s", name, values["RELAY_HOST"], " ".join(argv))
 
     # --- watch -----------------------------------------------------------------------------
 
     def peers(self) -> dict[str, str]:
-        jobs = slurm.read_jobs(self.run_dir)
+        jobs = slurm_cli.read_jobs(self.rundir)
         return {name: job_id for name, job_id in jobs.items() if name != self.job}
 
-    def check_peers(self, peers: dict[str, str]) -> dict[str, slurm.JobState]:
+    def check_peers(self, peers: dict[str, str]) -> dict[str, slurm_cli.JobState]:
         """Each peer job's state; cancels the run when one has ended badly."""
         try:
-            states = slurm.job_states(list(peers.values()))
+            states = slurm_cli.job_states(list(peers.values()))
         except ConfigError as err:  # the accounting database did not answer: ask again later
             self.log.warning("could not read job states: %s", err)
             return {}
         now = time.monotonic()
         for name, job_id in peers.items():
             state = states.get(job_id)
-            if state is None or not slurm.ended_badly(state.state):
+            if state is None or not slurm_cli.ended_badly(state.state):
                 self.bad_since.pop(name, None)
                 continue
             first = self.bad_since.setdefault(name, now)
@@ -163,9 +178,8 @@ class Group:
             time.sleep(PEER_POLL_S)
 
     def check_failure(self) -> None:
-        failure = self.run_dir / slurm.FAILURE_FILE
-        if failure.exists():
-            reason = json.loads(failure.read_text())["reason"]
+        reason = slurm_cli.failure_reason(self.rundir)
+        if reason is not None:
             raise RunEnded(f"the run ended: {reason}")
 
     def fail(self, reason: str, job: str, cancel_self: bool = False) -> None:
@@ -175,10 +189,10 @@ class Group:
         roles failed, this job ends FAILED and the others are cancelled.
         """
         self.log.error("%s: cancelling the run", reason)
-        slurm.record_failure(self.run_dir, reason, job)
-        ids = list(slurm.read_jobs(self.run_dir).values())
+        slurm_cli.record_failure(self.rundir, reason, job)
+        ids = list(slurm_cli.read_jobs(self.rundir).values())
         others = [job_id for job_id in ids if job_id != self.job_id]
-        slurm.slurm("scancel", *others, *([self.job_id] if cancel_self else []), check=False)
+        slurm_cli.slurm("scancel", *others, *([self.job_id] if cancel_self else []), check=False)
         if cancel_self:  # end as CANCELLED, not FAILED: wait for Slurm's SIGTERM (bounded)
             deadline = time.monotonic() + CANCEL_WAIT_S
             while not self.stopping and time.monotonic() < deadline:
@@ -194,9 +208,9 @@ class Group:
             code = child.proc.poll()
             if code is None:
                 continue
-            if self.stopping or (self.run_dir / CHECKPOINT_REQUEST).exists():
+            if self.stopping or self.rundir.checkpoint_request.exists():
                 continue  # stopped for a checkpoint or by Slurm: neither done nor failed
-            if code == 0 and child.role in ("trainer", "orchestrator"):
+            if code == 0 and child.role in FINISHING_ROLES:
                 finished.append(child)
                 continue
             try:
@@ -207,29 +221,24 @@ class Group:
 
     def finished(self, done: list[Child]) -> bool:
         """Whether this node's part of the run is over (and, for control, report it)."""
-        complete = self.run_dir / slurm.COMPLETE_FILE
         if self.job == "trainer":
             if done and self.node == 0:
-                (self.run_dir / "done" / "trainer").touch()
+                self.rundir.mark_done("trainer")
             return bool(done)
         if self.job == "inference":
-            return complete.exists()
+            return self.rundir.complete.exists()
         if any(c.role == "orchestrator" for c in done):
-            (self.run_dir / "done" / "orchestrator").touch()
-        if not (self.run_dir / "done" / "trainer").exists():
-            return False
-        if not (self.run_dir / "done" / "orchestrator").exists():
+            self.rundir.mark_done("orchestrator")
+        if not all(self.rundir.done(role).exists() for role in FINISHING_ROLES):
             return False
         self.report()
-        complete.touch()
+        self.rundir.complete.touch()
         return True
 
     def report(self) -> None:
-        from launcher.report import finish_run, read_records
-
-        records = read_records(self.run_dir / "metrics.jsonl")
-        started = (self.run_dir / "config.yaml").stat().st_mtime
-        finish_run(self.cfg, self.run_dir, records, time.time() - started)
+        records = read_records(self.rundir.metrics)
+        started = self.rundir.config.stat().st_mtime
+        finish_run(self.cfg, self.rundir, records, time.time() - started)
 
     def run(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._terminated)
@@ -241,7 +250,7 @@ class Group:
             while True:
                 self.check_failure()
                 if self.finished(self.check_children()):
-                    self.log.info("done")
+                    self.log.info("this node's part of the run is over")
                     return
                 if time.monotonic() - last_peer_check > PEER_POLL_S:
                     self.check_peers(peers)
@@ -266,12 +275,12 @@ class Group:
         the queue) and just stop."""
         self.stopping = True
         if self.job == "trainer" and self.children:
-            (self.run_dir / CHECKPOINT_REQUEST).touch()
+            self.rundir.checkpoint_request.touch()
             budget = max(10.0, self.cfg.cluster.signal_delay_s - 30.0)
             deadline = time.monotonic() + budget
             while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
                 time.sleep(0.2)
-            marker = self.run_dir / CHECKPOINTED
+            marker = self.rundir.checkpointed
             if marker.exists():
                 self.log.info("trainer checkpointed at step %s; requeueing", marker.read_text())
             else:

@@ -191,7 +191,8 @@ class TrainerParallelConfig:
     cp: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
     tp: int = 1
-    """Tensor-parallel degree inside a node."""
+    """Must be 1: the trainer has no tensor parallelism, and the planner refuses other values
+    (the inference servers' degree is `parallel.inference.tp`)."""
 
 
 @dataclass

@@ -11,29 +11,29 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rl.config import Backend, BroadcastBackend
+from rl.config import Backend, BroadcastBackend, RunConfig
 
 
-def inference_backend(cfg: Any) -> Backend:
+def inference_backend(cfg: RunConfig) -> Backend:
     """`inference.backend`, or vLLM where the cluster has GPUs and the embedded engine on CPU."""
     if cfg.inference.backend is not None:
         return Backend(cfg.inference.backend)
     return Backend.vllm if cfg.cluster.gpus_per_node else Backend.embedded
 
 
-def max_model_len(cfg: Any) -> int:
+def max_model_len(cfg: RunConfig) -> int:
     """The longest prompt + completion served: `model.inference.max_model_len`, or the model's
     context length."""
     return int(cfg.model.inference.max_model_len or cfg.model.context_length)
 
 
-def learning_rate(cfg: Any) -> float:
+def learning_rate(cfg: RunConfig) -> float:
     """`algorithm.lr`, or the model option's `lr` when the algorithm leaves it unset."""
     lr = cfg.algorithm.lr
     return float(lr if lr is not None else cfg.model.lr)
 
 
-def broadcast_backend(cfg: Any) -> BroadcastBackend:
+def broadcast_backend(cfg: RunConfig) -> BroadcastBackend:
     """`inference.broadcast_backend`, or NCCL where the cluster has GPUs and gloo without."""
     if cfg.inference.broadcast_backend is not None:
         return BroadcastBackend(cfg.inference.broadcast_backend)
@@ -111,12 +111,10 @@ def trainer_dims(par: Any, ranks: int | None = None) -> ParallelDims:
             f"dp_shard (FSDP), ep or cp instead (parallel.inference.tp sets vLLM's)"
         )
     for key in ("dp_replicate", "cp", "ep"):
-        if par[key] < 1:
-            raise LayoutError(f"parallel.trainer.{key}={par[key]}: must be >= 1")
+        if getattr(par, key) < 1:
+            raise LayoutError(f"parallel.trainer.{key}={getattr(par, key)}: must be >= 1")
     if par.dp_shard == 0 or par.dp_shard < -1:
-        raise LayoutError(
-            f"parallel.trainer.dp_shard={par.dp_shard}: must be >= 1, or -1 to fill"
-        )
+        raise LayoutError(f"parallel.trainer.dp_shard={par.dp_shard}: must be >= 1, or -1 to fill")
     fixed = par.dp_replicate * par.cp
     if par.dp_shard != -1:
         dp_shard = par.dp_shard

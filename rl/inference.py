@@ -3,7 +3,7 @@
 It serves CPU runs and small single-GPU runs without vLLM, and is the reference the vLLM backend
 is held to. One engine thread owns the model: it merges concurrent requests into one left-padded
 batch, decodes it with a KV cache, and applies weight swaps only between batches (from
-`weights/step_N`, or received from the trainer's broadcast: rl/broadcast.py), so every
+`weights/step_N`, or received from the trainer's broadcast: rl/weights/), so every
 response can name the single policy version that produced it.
 
     python -m rl.inference --run-dir D --replica I [-- vLLM args, for the vllm backend]
@@ -26,17 +26,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel
 
-from rl.broadcast import add_routes
-from rl.config import Backend
 from rl.auth import bearer_guard
-from rl.model import (
-    encode_prompt,
-    ensure_checkpoint,
-    is_complete,
-    load_model,
-    load_tokenizer,
-    newest_version,
-)
+from rl.config import Backend, RunConfig
+from rl.derive import inference_backend, max_model_len
+from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
+from rl.rundir import RunDir, is_complete
 from rl.runtime import (
     listen_socket,
     load_run_config,
@@ -46,7 +40,8 @@ from rl.runtime import (
     setup_logging,
     write_address,
 )
-from rl.weight_sync import GroupSpec, WeightReceiver
+from rl.weights.routes import add_routes
+from rl.weights.sync import WeightGroupSpec, WeightReceiver
 
 if TYPE_CHECKING:
     import torch
@@ -229,7 +224,7 @@ class LoadJob:
 class Engine:
     """Owns the model on one thread, so batches and weight swaps can never overlap."""
 
-    def __init__(self, model: Any, tokenizer: Any, cfg: Any, logger: logging.Logger):
+    def __init__(self, model: Any, tokenizer: Any, cfg: RunConfig, logger: logging.Logger):
         import torch
 
         self.model, self.tokenizer, self.logger = model, tokenizer, logger
@@ -357,7 +352,7 @@ class EmbeddedReceiver:
     async def weight_receivers(self) -> int:
         return 1
 
-    async def receive_broadcast(self, spec: GroupSpec, member: str, version: int) -> None:
+    async def receive_broadcast(self, spec: WeightGroupSpec, member: str, version: int) -> None:
         if self.weight_group != spec.group:
             self.receiver = self.weight_group = None
             self.receiver = await asyncio.to_thread(WeightReceiver, spec, member)
@@ -508,7 +503,7 @@ def _announce(server: Any, run_dir: Path, name: str, port: int, logger: logging.
     logger.info("listening on http://%s:%d", server_host(), port)
 
 
-def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
+def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> None:
     """Load the model, start the engine and serve until SIGTERM."""
     import torch
     import uvicorn
@@ -519,11 +514,10 @@ def serve(cfg: Any, run_dir: Path, name: str, logger: logging.Logger) -> None:
     device = "cuda" if cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
     engine = Engine(model, load_tokenizer(path), cfg, logger)
-    if (newest := newest_version(run_dir / "weights")) >= 0:
+    if (newest := RunDir(run_dir).newest_version()) >= 0:
         # A restarted server: back on the newest policy before it answers anything.
-        engine.submit(LoadJob(run_dir / "weights" / f"step_{newest}", newest))
-    max_len = cfg.model.inference.max_model_len or cfg.model.context_length
-    app = build_app(engine, run_token(run_dir), max_len)
+        engine.submit(LoadJob(RunDir(run_dir).weights_for(newest), newest))
+    app = build_app(engine, run_token(run_dir), max_model_len(cfg))
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
@@ -543,11 +537,7 @@ def main() -> None:
     cfg = load_run_config(args.run_dir)
     name = f"inference-{args.replica}"
     logger = setup_logging(name)
-    # The launcher's rule: an unset backend means vllm where the cluster has GPUs.
-    backend = cfg.inference.backend or (
-        Backend.vllm if cfg.cluster.gpus_per_node else Backend.embedded
-    )
-    if backend == Backend.vllm:
+    if inference_backend(cfg) == Backend.vllm:
         from rl.vllm_backend import serve as serve_vllm
 
         if not args.rest:

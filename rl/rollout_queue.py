@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 
 from rl import wire
 from rl.auth import bearer_guard
+from rl.records import Group, RecordError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -48,17 +47,11 @@ class Store:
         self.db.executescript(SCHEMA)
         self.lock = threading.Lock()
 
-    def push(self, groups: list[dict[str, Any]], batch: int | None = None) -> list[int] | None:
+    def push(self, groups: list[Group], batch: int | None = None) -> list[int] | None:
         """Store groups in one transaction (one fsync); returns their ids, or None when
         `batch` was pushed before (a retried push whose answer was lost stores nothing)."""
         rows = [
-            (
-                g["min_version"],
-                g["max_version"],
-                sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in g["samples"]),
-                wire.encode([g]),
-            )
-            for g in groups
+            (g.min_version, g.max_version, g.tokens, wire.encode([g.to_dict()])) for g in groups
         ]
         with self.lock:
             self.db.execute("BEGIN IMMEDIATE")
@@ -356,11 +349,9 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-INT32 = (-(2**31), 2**31 - 1)
-
-
-def _parse_groups(body: bytes, content_type: str) -> list[dict[str, Any]]:
-    """Validate pushed groups; any problem is a 4xx that names it, and nothing is stored."""
+def _parse_groups(body: bytes, content_type: str) -> list[Group]:
+    """Validate pushed groups (rl/records.py); any problem is a 4xx that names it, and nothing
+    is stored."""
     binary = content_type.startswith(wire.CONTENT_TYPE)
     if binary:
         try:
@@ -376,78 +367,19 @@ def _parse_groups(body: bytes, content_type: str) -> list[dict[str, Any]]:
         raise HTTPException(415, f"content type must be application/json or {wire.CONTENT_TYPE}")
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
         raise HTTPException(422, "body must be an object with a non-empty 'groups' list")
-    for i, group in enumerate(data["groups"]):
-        _check_group(f"groups[{i}]", group, check_arrays=not binary)
-    return data["groups"]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _check_group(where: str, group: Any, check_arrays: bool) -> None:
-    """Raise 422 naming the first field of `group` that is missing or of the wrong type."""
-    if not isinstance(group, dict) or not isinstance(group.get("samples"), list):
-        raise HTTPException(422, f"{where} must be an object with a 'samples' list")
-    if not group["samples"]:
-        raise HTTPException(422, f"{where}.samples is empty")
-    for key in ("min_version", "max_version"):
-        if not _is_int(group.get(key)):
-            raise HTTPException(422, f"{where}.{key} must be an integer")
-    for i, sample in enumerate(group["samples"]):
-        at = f"{where}.samples[{i}]"
-        if not isinstance(sample, dict):
-            raise HTTPException(422, f"{at} must be an object")
-        for key in ("min_version", "max_version"):
-            if not _is_int(sample.get(key)):
-                raise HTTPException(422, f"{at}.{key} must be an integer")
-        for key in ("reward", "advantage"):
-            if not _is_number(sample.get(key)):
-                raise HTTPException(422, f"{at}.{key} must be a finite number")
-        arrays = [sample.get(k) for k in wire.ARRAY_KEYS]
-        if not all(isinstance(a, list | np.ndarray) for a in arrays):
-            raise HTTPException(422, f"{at}: prompt_ids, completion_ids, logprobs must be lists")
-        prompt, completion, logprobs = arrays
-        if len(logprobs) != len(completion) or len(completion) == 0:
-            raise HTTPException(422, f"{at}: completion_ids empty or unlike logprobs in length")
-        metrics = sample.get("env_metrics", {})
-        if not isinstance(metrics, dict) or not all(
-            isinstance(k, str) and _is_number(v) for k, v in metrics.items()
-        ):
-            raise HTTPException(422, f"{at}.env_metrics must map names to finite numbers")
-        if not _valid_spans(sample.get("env_spans", []), len(completion)):
-            raise HTTPException(
-                422, f"{at}.env_spans must be ordered [begin, end) pairs inside the completion"
-            )
-        if check_arrays:
-            ids = prompt + completion
-            if not all(_is_int(t) and INT32[0] <= t <= INT32[1] for t in ids):
-                raise HTTPException(422, f"{at}: token ids must be 32-bit integers")
-            if not all(_is_number(x) for x in logprobs):
-                raise HTTPException(422, f"{at}: logprobs must be finite numbers")
-
-
-def _valid_spans(spans: Any, length: int) -> bool:
-    """Whether `spans` are ordered, disjoint [begin, end) pairs within 0..length."""
-    if not isinstance(spans, list):
-        return False
-    at = 0
-    for span in spans:
-        if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
-            return False
-        if not at <= span[0] < span[1] <= length:
-            return False
-        at = span[1]
-    return True
+    try:
+        return [
+            Group.parse(group, f"groups[{i}]", check_arrays=not binary)
+            for i, group in enumerate(data["groups"])
+        ]
+    except RecordError as err:
+        raise HTTPException(422, str(err)) from err
 
 
 def main() -> None:
     import uvicorn
 
+    from rl.rundir import RunDir
     from rl.runtime import (
         listen_socket,
         load_run_config,
@@ -461,7 +393,8 @@ def main() -> None:
     args = role_args("queue")
     log = setup_logging("queue")
     cfg = load_run_config(args.run_dir)
-    store = Store(args.run_dir / "queue.sqlite")
+    run_dir = RunDir(args.run_dir)
+    store = Store(run_dir.queue_store)
     app = create_app(
         store,
         run_token(args.run_dir),
@@ -477,7 +410,7 @@ def main() -> None:
     @app.on_event("startup")
     async def announce() -> None:
         write_address(args.run_dir, "queue", host, port)
-        log.info("listening on %s:%d (store %s)", host, port, args.run_dir / "queue.sqlite")
+        log.info("listening on %s:%d (store %s)", host, port, run_dir.queue_store)
 
     server.run(sockets=[sock])
 

@@ -322,10 +322,25 @@ class RunDir:
     def done(self, role: str) -> Path:
         return self.root / "done" / role
 
+    def mark_done(self, role: str) -> None:
+        """Record that `role` finished its part of the run."""
+        self.done(role).parent.mkdir(exist_ok=True)
+        self.done(role).touch()
+
     @property
     def ended(self) -> Path:
         """jobs.json and failure.json of earlier submissions of a resumed run."""
         return self.root / "ended"
+
+    def end_submission(self) -> int:
+        """Move jobs.json and failure.json (if any) into ended/ as jobs-N.json and
+        failure-N.json, N counting the submissions ended before; returns N."""
+        self.ended.mkdir(exist_ok=True)
+        attempt = len(list(self.ended.glob("jobs-*.json")))
+        for path in (self.jobs, self.failure):
+            if path.exists():
+                path.rename(self.ended / f"{path.stem}-{attempt}{path.suffix}")
+        return attempt
 
     def submitit_folder(self, job: str) -> Path:
         return self.root / "slurm" / job

@@ -1,36 +1,31 @@
-"""What every role process shares: the run directory, its config, addresses and the run token.
+"""What every role process shares: its arguments, logging, the run's config and token, and
+finding the other roles' servers.
 
-Roles find each other through the run directory (a shared filesystem on a cluster): a server
-writes `addresses/<name>.json` once it listens, and clients wait for that file.
+Roles find each other through the run directory (a shared filesystem on a cluster; its layout
+is rl/rundir.py's): a server records its address once it listens, and clients wait for it.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from rl.config import RunConfig
+from rl.rundir import RunDir
 
 TOKEN_ENV = "RELAY_TOKEN"
 # How long a role waits for a peer's server to appear, or to come back after a restart.
 PEER_TIMEOUT_S = 900.0
 HOST_ENV = "RELAY_HOST"
-# A job supervisor asks the trainer to checkpoint and stop by creating this file in the run
-# directory; the trainer answers with the second, holding the step it checkpointed.
-CHECKPOINT_REQUEST = "control/checkpoint-request"
-CHECKPOINTED = "control/checkpointed"
 
 
 def server_host() -> str:
@@ -59,10 +54,11 @@ def role_args(role: str, extra: bool = False) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def load_run_config(run_dir: Path) -> DictConfig:
-    """The resolved config the launcher wrote, re-validated against the schema."""
-    loaded = OmegaConf.load(run_dir / "config.yaml")
-    return OmegaConf.merge(OmegaConf.structured(RunConfig), loaded)  # type: ignore[return-value]
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The resolved config the launcher wrote, validated against the schema and turned into
+    the typed `RunConfig` (each role does this once, at start)."""
+    loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), RunDir(run_dir).load_config())
+    return OmegaConf.to_object(loaded)  # type: ignore[return-value]
 
 
 def setup_logging(role: str) -> logging.Logger:
@@ -80,7 +76,7 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
-def inference_names(cfg: DictConfig) -> list[str]:
+def inference_names(cfg: RunConfig) -> list[str]:
     """The names the inference servers write their addresses under."""
     return [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
 
@@ -89,7 +85,7 @@ def run_token(run_dir: Path) -> str:
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
-    return (run_dir / "token").read_text().strip()
+    return RunDir(run_dir).token()
 
 
 def auth_headers(token: str) -> dict[str, str]:
@@ -98,20 +94,12 @@ def auth_headers(token: str) -> dict[str, str]:
 
 def write_address(run_dir: Path, name: str, host: str, port: int) -> None:
     """Record where `name` listens; written atomically so readers never see half a file."""
-    folder = run_dir / "addresses"
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{name}.json.tmp"
-    tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
-    tmp.rename(folder / f"{name}.json")
+    RunDir(run_dir).write_address(name, host, port)
 
 
 def read_address(run_dir: Path, name: str) -> str | None:
     """The base URL `name` last wrote, if it has written one."""
-    try:
-        info = json.loads((run_dir / "addresses" / f"{name}.json").read_text())
-    except FileNotFoundError:
-        return None
-    return f"http://{info['host']}:{info['port']}"
+    return RunDir(run_dir).read_address(name)
 
 
 def wait_for_address(run_dir: Path, name: str, timeout: float = PEER_TIMEOUT_S) -> str:
@@ -119,7 +107,7 @@ def wait_for_address(run_dir: Path, name: str, timeout: float = PEER_TIMEOUT_S) 
     deadline = time.monotonic() + timeout
     while (url := read_address(run_dir, name)) is None:
         if time.monotonic() > deadline:
-            path = run_dir / "addresses" / f"{name}.json"
+            path = RunDir(run_dir).address_file(name)
             raise TimeoutError(f"{name} did not write {path} within {timeout:.0f} s")
         time.sleep(0.1)
     return url
@@ -150,29 +138,6 @@ class Peer:
                     ) from err
                 time.sleep(0.5)
                 self.url = read_address(self.run_dir, self.name) or self.url
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    """Append one JSON line with a single write, under the file's lock (several roles append to
-    metrics.jsonl, and a resuming trainer rewrites it)."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(record) + "\n")
-
-
-def drop_records(path: Path, drop: Callable[[dict], bool]) -> int:
-    """Remove the JSON lines for which `drop` is true, in place and under the file's lock;
-    returns how many went."""
-    if not path.exists():
-        return 0
-    with open(path, "r+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        lines = [line for line in f.read().splitlines() if line.strip()]
-        kept = [line for line in lines if not drop(json.loads(line))]
-        f.seek(0)
-        f.write("".join(line + "\n" for line in kept))
-        f.truncate()
-    return len(lines) - len(kept)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

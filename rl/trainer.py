@@ -8,11 +8,9 @@ path serves a larger world.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -23,44 +21,24 @@ import torch.nn.functional as F
 
 from rl import parallel, wire
 from rl.algorithms import LOSSES, loss_stats, reduce
-from rl.broadcast import InferenceBroadcaster
-from rl.config import WeightTransport
+from rl.config import RunConfig
 from rl.context_parallel import ContextParallel
+from rl.derive import learning_rate, trainer_dims
 from rl.envs import Example, make_environment
-from rl.model import (
-    COMPLETE,
-    empty_model,
-    ensure_checkpoint,
-    is_complete,
-    load_model,
-    load_tokenizer,
-    prune_versions,
-    publish_weights,
-)
+from rl.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
 from rl.packing import packed_logprobs
+from rl.records import BatchShard, Sample, TrainRecord, is_train
+from rl.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.runtime import (
-    CHECKPOINT_REQUEST,
-    CHECKPOINTED,
     Peer,
-    append_jsonl,
     auth_headers,
     die_with_parent,
-    drop_records,
     load_run_config,
     role_args,
     run_token,
     setup_logging,
 )
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete `checkpoints/step_N/` (a DCP checkpoint) of the run, if any."""
-    found = [
-        (int(m.group(1)), p)
-        for p in (run_dir / "checkpoints").glob("step_*")
-        if (m := re.fullmatch(r"step_(\d+)", p.name)) and is_complete(p)
-    ]
-    return max(found)[1] if found else None
+from rl.weights.factory import make_publisher
 
 
 def pad_batch(
@@ -76,12 +54,6 @@ def pad_batch(
         attention[row, : len(seq)] = 1
         completion[row, start : len(seq)] = True
     return ids, attention, completion
-
-
-def trained_tokens(sample: dict[str, Any]) -> int:
-    """Completion tokens that carry loss: all but the environment's turns (multi-turn)."""
-    masked = sum(end - begin for begin, end in sample.get("env_spans", ()))
-    return len(sample["completion_ids"]) - masked
 
 
 def sft_batch(
@@ -113,16 +85,16 @@ def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tu
     return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
 
 
-def env_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+def env_metrics(samples: list[Sample]) -> dict[str, float]:
     """Means over the batch of the per-episode metrics an environment keeps (`env/<name>`)."""
     values: dict[str, list[float]] = {}
     for sample in samples:
-        for key, value in sample.get("env_metrics", {}).items():
+        for key, value in sample.env_metrics.items():
             values.setdefault(f"env/{key}", []).append(value)
     return {key: sum(v) / len(v) for key, v in values.items()}
 
 
-def rank_device(cfg: Any) -> torch.device:
+def rank_device(cfg: RunConfig) -> torch.device:
     """This rank's device: `trainer.device`, where `auto` is the GPU torchrun's LOCAL_RANK
     names when the cluster has GPUs (`cluster.gpus_per_node`) and torch sees them, else the
     CPU."""
@@ -138,12 +110,12 @@ def rank_device(cfg: Any) -> torch.device:
 
 
 # A one-token sample for a pass that contributes nothing.
-IDLE = [{"prompt_ids": [0], "completion_ids": [0], "logprobs": [0.0], "advantage": 0.0}]
+IDLE = [Sample([0], [0], [0.0], reward=0.0, advantage=0.0, min_version=0, max_version=0)]
 
 
 class Trainer:
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+        self.run_dir = RunDir(run_dir)
         self.cfg = cfg = load_run_config(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = setup_logging(f"trainer-{self.rank}")
@@ -153,7 +125,12 @@ class Trainer:
         dist.barrier()
         self.base = base = ensure_checkpoint(cfg.model, seed=cfg.seed)
         self.device = rank_device(cfg)
-        self.dims = parallel.from_config(cfg.parallel.trainer, self.world)
+        self.dims = trainer_dims(cfg.parallel.trainer, self.world)
+        if self.dims.world != self.world:
+            raise ValueError(
+                f"parallel.trainer: the degrees make a mesh of {self.dims.world} ranks, but "
+                f"the trainer was started with {self.world}"
+            )
         # Sharded, only rank 0 reads the weights; the others build the model on the meta
         # device (shapes, no memory) and receive their shards from it after sharding.
         if self.dims.sharded and self.rank != 0:
@@ -184,17 +161,15 @@ class Trainer:
             self.dims,
             parallel.local_parameter_bytes(self.model) / 1e6,
         )
-        lr = cfg.algorithm.lr if cfg.algorithm.lr is not None else cfg.model.lr
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=lr,
+            lr=learning_rate(cfg),
             betas=tuple(cfg.algorithm.betas),
             weight_decay=cfg.algorithm.weight_decay,
         )
         self.loss_fn = LOSSES[str(cfg.algorithm.loss)]
         self.reference: Any = None
-        self.weights_dir = run_dir / "weights"
-        self.weights_dir.mkdir(exist_ok=True)
+        self.weights = make_publisher(cfg, run_dir, self.log)
 
     def warmup(self) -> None:
         """Supervised warm-up: cross-entropy on the answers of training examples."""
@@ -222,7 +197,7 @@ class Trainer:
                 self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
-    def fetch(self, http: httpx.Client, queue: Peer, step: int) -> dict[str, Any]:
+    def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
         """This rank's shard of step `step` (long-polls until the queue has assembled it)."""
         params = {
             "step": step,
@@ -237,13 +212,14 @@ class Trainer:
             )
             if response.status_code == 200:
                 groups, meta = wire.decode(response.content)
-                return {**meta, "samples": groups[0]["samples"]}
+                return BatchShard.from_wire(meta, groups[0]["samples"])
             if response.status_code != 204:
                 response.raise_for_status()
 
-    def batch_totals(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+    def batch_totals(self, samples: list[Sample]) -> dict[str, float]:
         """Whole-batch denominators (over every rank) for the loss normalisation."""
-        counts = torch.tensor([float(sum(map(trained_tokens, samples))), float(len(samples))])
+        trained = sum(s.trained_tokens for s in samples)
+        counts = torch.tensor([float(trained), float(len(samples))])
         if self.world > 1:
             dist.all_reduce(counts)
             counts /= self.dims.cp  # each CP group's ranks hold the same samples
@@ -254,29 +230,25 @@ class Trainer:
             "max_tokens": float(self.cfg.environment.max_tokens),
         }
 
-    def micro_batch(self, part: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def micro_batch(self, part: list[Sample]) -> dict[str, Any]:
+        sequences = [list(s.prompt_ids) + list(s.completion_ids) for s in part]
         ids, attention, completion = pad_batch(
-            [s["prompt_ids"] + s["completion_ids"] for s in part],
-            [len(s["prompt_ids"]) for s in part],
-            self.tokenizer.pad_token_id,
+            sequences, [len(s.prompt_ids) for s in part], self.tokenizer.pad_token_id
         )
         inference_logp = torch.zeros(ids.shape)
         for row, s in enumerate(part):
-            start = len(s["prompt_ids"])
-            inference_logp[row, start : start + len(s["logprobs"])] = torch.as_tensor(s["logprobs"])
-            for begin, end in s.get("env_spans", ()):  # an environment's turns carry no loss
+            start = len(s.prompt_ids)
+            inference_logp[row, start : start + len(s.logprobs)] = torch.as_tensor(s.logprobs)
+            for begin, end in s.env_spans:  # an environment's turns carry no loss
                 completion[row, start + begin : start + end] = False
         tensors = {
             "ids": ids,
             "attention": attention,
             "mask": completion,
             "inference_logprobs": inference_logp,
-            "advantages": torch.tensor([float(s["advantage"]) for s in part]),
+            "advantages": torch.tensor([float(s.advantage) for s in part]),
         }
-        return {
-            **{key: t.to(self.device) for key, t in tensors.items()},
-            "sequences": [s["prompt_ids"] + s["completion_ids"] for s in part],
-        }
+        return {**{key: t.to(self.device) for key, t in tensors.items()}, "sequences": sequences}
 
     def logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token log-probabilities and entropies of a micro-batch, packed or padded."""
@@ -295,9 +267,7 @@ class Trainer:
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most.item())
 
-    def train_step(
-        self, samples: list[dict[str, Any]], micro_batches: list[list[int]]
-    ) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], micro_batches: list[list[int]]) -> dict[str, float]:
         """One optimiser step over this rank's samples, in the queue's packed micro-batches."""
         algo = self.cfg.algorithm
         totals = self.batch_totals(samples)
@@ -342,46 +312,26 @@ class Trainer:
         }
 
     def publish(self, version: int) -> None:
-        """Policy `version` for inference. With the filesystem transport: HF-layout
-        `weights/step_N/`. With broadcast: sent to every inference worker (rl/broadcast.py) and
-        written only where a restarted server, a resume or an export reads it (`exported`).
-        Under FSDP the shards are gathered first (every rank takes part); rank 0 writes and
-        sends."""
-        target = self.weights_dir / f"step_{version}"
-        broadcast = self.cfg.inference.weight_transport == WeightTransport.broadcast
-        if not broadcast and self.on_rank_0(is_complete(target)):
+        """Policy `version` for inference, through the configured weight transport
+        (rl/weights/). Under FSDP the shards are gathered first (every rank takes part, when
+        rank 0 says there is anything to publish); rank 0 publishes."""
+        if not self.on_rank_0(self.weights.wanted(version)):
             return
-        # Gathered under FSDP (a collective); one process saves its own module directly.
+        # Gathered under FSDP (a collective); one process publishes its own module directly.
         state = parallel.full_state_dict(self.model) if self.dims.sharded else None
-        if self.rank != 0:
-            return
-        if (not broadcast or self.exported(version)) and not is_complete(target):
-            publish_weights(self.model, self.tokenizer, target, state_dict=state)
-            prune_versions(self.weights_dir, self.cfg.trainer.keep_weights)
-        if broadcast:
-            self.broadcaster.publish(version, self.model, state)
-
-    def exported(self, version: int) -> bool:
-        """Whether broadcast `version` is also written to disk: version 0, the versions
-        checkpoints are taken at, and the last."""
-        every = self.cfg.trainer.checkpoint_every
-        return version in (0, self.cfg.max_steps) or bool(every and version % every == 0)
-
-    @cached_property
-    def broadcaster(self) -> InferenceBroadcaster:
-        """Rank 0's sender of new weights to the inference servers (broadcast transport)."""
-        return InferenceBroadcaster(self.run_dir, self.cfg, self.log)
+        if self.rank == 0:
+            self.weights.publish(version, self.model, self.tokenizer, state)
 
     def checkpoint(self, step: int) -> None:
         """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank
         writes its shards; the COMPLETE marker comes last)."""
-        target = self.run_dir / "checkpoints" / f"step_{step}"
+        target = self.run_dir.checkpoint_for(step)
         if self.on_rank_0(is_complete(target)):
             return
         parallel.save_checkpoint(self.model, self.optimizer, step, target)
         dist.barrier()
         if self.rank == 0:
-            (target / COMPLETE).touch()
+            mark_complete(target)
 
     def make_reference(self, state: dict[str, Any] | None = None) -> Any:
         """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
@@ -397,20 +347,17 @@ class Trainer:
         The queue serves step N's batch again when asked twice, so steps after the checkpoint
         that a hard kill cut off are recomputed from the same samples.
         """
-        path = latest_checkpoint(self.run_dir)
+        path = self.run_dir.latest_checkpoint()
         if path is None:
             return 0
         step = parallel.load_checkpoint(self.model, self.optimizer, path)
-        reference = self.run_dir / "checkpoints" / "reference.pt"
+        reference = self.run_dir.reference
         if self.cfg.algorithm.kl_coef > 0 and reference.exists():
             self.reference = self.make_reference(torch.load(reference))
         if self.rank == 0:
             # Steps after the checkpoint are trained again from the same batches: their first
             # records go, so every step is recorded once.
-            dropped = drop_records(
-                self.run_dir / "metrics.jsonl",
-                lambda r: "reward/mean" in r and r["step"] > step,
-            )
+            dropped = drop_records(self.run_dir.metrics, lambda r: is_train(r) and r["step"] > step)
             if dropped:
                 self.log.info("dropped the records of %d steps after the checkpoint", dropped)
         self.log.info("resumed from %s: continuing at step %d", path, step + 1)
@@ -426,9 +373,8 @@ class Trainer:
             # The KL reference is the policy RL starts from: the weights after warm-up.
             self.reference = self.make_reference()
             if self.rank == 0:
-                folder = self.run_dir / "checkpoints"
-                folder.mkdir(exist_ok=True)
-                torch.save(self.reference.state_dict(), folder / "reference.pt")
+                self.run_dir.checkpoints.mkdir(exist_ok=True)
+                torch.save(self.reference.state_dict(), self.run_dir.reference)
         self.publish(0)
         return 0
 
@@ -444,7 +390,7 @@ class Trainer:
     def stop_requested(self) -> bool:
         """Whether the job supervisor asked for a checkpoint and stop (Slurm preemption or
         time limit); every rank gets rank 0's answer, so all stop at the same step."""
-        flag = torch.tensor([float((self.run_dir / CHECKPOINT_REQUEST).exists())])
+        flag = torch.tensor([float(self.run_dir.checkpoint_request.exists())])
         if self.world > 1:
             dist.broadcast(flag, src=0)
         return bool(flag.item())
@@ -452,24 +398,23 @@ class Trainer:
     def run(self) -> None:
         cfg = self.cfg
         first = self.start()
-        http = httpx.Client(headers=auth_headers(run_token(self.run_dir)), timeout=120.0)
-        queue = Peer(self.run_dir, "queue")
+        http = httpx.Client(headers=auth_headers(run_token(self.run_dir.root)), timeout=120.0)
+        queue = Peer(self.run_dir.root, "queue")
         for step in range(first, cfg.max_steps):
             if self.stop_requested():
                 self.checkpoint(step)
                 if self.rank == 0:
-                    (self.run_dir / CHECKPOINTED).write_text(str(step))
+                    self.run_dir.checkpointed.write_text(str(step))
                 self.log.info("checkpointed at step %d and stopped, as asked", step)
                 return
             t0 = time.monotonic()
             batch = self.fetch(http, queue, step)
             t_fetch = time.monotonic() - t0
-            samples = batch["samples"]
-            stats = self.train_step(samples, batch["micro_batches"])
+            stats = self.train_step(batch.samples, batch.micro_batches)
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
             if self.rank == 0:  # recorded before the checkpoint that covers it
-                self.record(step, batch, samples, stats, elapsed, t_fetch)
+                self.record(step, batch, stats, elapsed, t_fetch)
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
                 self.checkpoint(step + 1)
         self.checkpoint(cfg.max_steps)
@@ -478,17 +423,16 @@ class Trainer:
     def record(
         self,
         step: int,
-        batch: dict[str, Any],
-        samples: list[dict[str, Any]],
+        batch: BatchShard,
         stats: dict[str, float],
         elapsed: float,
         t_fetch: float,
     ) -> None:
-        staleness = [step - s["min_version"] for s in samples]
-        tokens = sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
+        samples = batch.samples
+        staleness = [step - s.min_version for s in samples]
+        tokens = sum(s.tokens for s in samples)
         record = {
-            "step": step + 1,
-            "reward/mean": sum(s["reward"] for s in samples) / len(samples),
+            "reward/mean": sum(s.reward for s in samples) / len(samples),
             "loss": stats["loss"],
             "entropy": stats["entropy"],
             "mismatch_kl": stats["mismatch_kl"],
@@ -497,14 +441,14 @@ class Trainer:
             "ratio/mean": stats["ratio_mean"],
             "ratio/max": stats["ratio_max"],
             "ratio/min": stats["ratio_min"],
-            "filter/zero_advantage_groups": sum(s.get("filtered_groups", 0) for s in samples),
+            "filter/zero_advantage_groups": sum(s.filtered_groups for s in samples),
             "grad_norm": stats["grad_norm"],
             "off_policy/staleness_max": max(staleness),
             "off_policy/staleness_mean": sum(staleness) / len(staleness),
-            "off_policy/dropped": batch["dropped"],
-            "queue/depth": batch["depth"],
-            "micro_batches": len(batch["micro_batches"]),
-            "versions": sorted({s["min_version"] for s in samples}),
+            "off_policy/dropped": batch.dropped,
+            "queue/depth": batch.depth,
+            "micro_batches": len(batch.micro_batches),
+            "versions": sorted({s.min_version for s in samples}),
             "samples": len(samples) * self.dp_world,
             "time/step": elapsed,
             "time/wait_batch": t_fetch,
@@ -513,7 +457,7 @@ class Trainer:
             "timestamp": time.time(),
             **env_metrics(samples),
         }
-        append_jsonl(self.run_dir / "metrics.jsonl", record)
+        self.run_dir.append_metrics(TrainRecord(step + 1, record).to_json())
         self.log.info(
             "step %d reward %.3f loss %.4f staleness %d (wait %.2f s, step %.2f s)",
             step + 1,

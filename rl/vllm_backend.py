@@ -7,10 +7,10 @@ HTTP contract as the embedded engine in front of it, so the orchestrator has one
 - /admin/load_weights swaps weights in place: vLLM pauses (keeping in-flight requests), reloads
   `weights/step_N` through its worker's `reload_weights`, drops its prefix cache (built with the
   old weights) and resumes. Requests in flight finish on the new weights;
-- /admin/weights/broadcast (rl/broadcast.py) takes weights from the trainer's broadcast with the
-  same pause, reload, drop, resume sequence: each vLLM worker joins the weight group and streams
-  the tensors into the same in-place reload (rl/weight_sync.py's worker extension, which the
-  plan adds with `--worker-extension-cls`; vLLM shards and quantises them itself);
+- /admin/weights/broadcast (rl/weights/routes.py) takes weights from the trainer's broadcast
+  with the same pause, reload, drop, resume sequence: each vLLM worker joins the weight group and
+  streams the tensors into the same in-place reload (rl/weights/sync.py's worker extension,
+  which the plan adds with `--worker-extension-cls`; vLLM shards and quantises them itself);
 - if vLLM dies it is restarted, at most `MAX_RESTARTS` times, with the last weights it loaded
   from disk (a broadcast group does not survive it: the trainer's next update forms a new one).
 vLLM's admin routes need `VLLM_SERVER_DEV_MODE=1`; they are reachable only on loopback here.
@@ -33,11 +33,13 @@ import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 import rl
-from rl.broadcast import add_routes
 from rl.auth import bearer_guard
-from rl.model import ensure_checkpoint, is_complete, load_tokenizer
+from rl.config import RunConfig
+from rl.model import ensure_checkpoint, load_tokenizer
+from rl.rundir import RunDir, is_complete
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
-from rl.weight_sync import GroupSpec
+from rl.weights.routes import add_routes
+from rl.weights.sync import WeightGroupSpec
 
 HOST = "127.0.0.1"
 MAX_RESTARTS = 3
@@ -60,7 +62,7 @@ class VllmProcess:
     def start(self) -> None:
         with listen_socket(HOST, 0) as probe:  # a free port for vLLM's private server
             self.port = probe.getsockname()[1]
-        # Relay's source on the path: vLLM's workers import rl.weight_sync from their own env.
+        # Relay's source on the path: vLLM's workers import rl.weights.sync from their own env.
         source = str(Path(rl.__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
@@ -192,7 +194,7 @@ class VllmFrontend:
             self.receivers = len(await self._rpc("relay_weight_receiver"))
         return self.receivers
 
-    async def receive_broadcast(self, spec: GroupSpec, member: str, version: int) -> None:
+    async def receive_broadcast(self, spec: WeightGroupSpec, member: str, version: int) -> None:
         """Pause, join the group (when new), stream the update into vLLM, drop the prefix
         cache, resume: the filesystem swap's sequence, with the weights from the trainer."""
         async with self.swap:
@@ -300,7 +302,9 @@ def build_app(front: VllmFrontend, token: str) -> FastAPI:
     return app
 
 
-def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logging.Logger) -> None:
+def serve(
+    cfg: RunConfig, run_dir: Path, name: str, vllm_args: list[str], logger: logging.Logger
+) -> None:
     """Start vLLM with the plan's arguments and serve Relay's routes in front of it."""
     import uvicorn
 
@@ -309,8 +313,9 @@ def serve(cfg: Any, run_dir: Path, name: str, vllm_args: list[str], logger: logg
     if cfg.model.source == "random" and "--model" in args:
         args[args.index("--model") + 1] = str(checkpoint)  # the locally built model
     python = cfg.inference.vllm_python or sys.executable
-    vllm = VllmProcess(python, args, run_dir / "logs" / f"{name}-vllm.log", logger)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = RunDir(run_dir).logs
+    logs.mkdir(parents=True, exist_ok=True)
+    vllm = VllmProcess(python, args, RunDir(run_dir).log(f"{name}-vllm"), logger)
     vllm.start()
     front = VllmFrontend(vllm, load_tokenizer(checkpoint), cfg.model.name, logger)
     front.ready.set()

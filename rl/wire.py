@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from rl.records import ARRAY_KEYS
+
 MAGIC = b"RLY1"
 CONTENT_TYPE = "application/x-relay-groups"
-ARRAY_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
 class WireError(ValueError):

@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from rl import parallel
 from rl import trainer as trainer_module
+from rl.records import Sample
 from rl.trainer import Trainer
 
 
-def synthetic_samples(count: int, seed: int) -> list[dict[str, Any]]:
+def synthetic_samples(count: int, seed: int) -> list[Sample]:
     """Scored samples of different lengths over the tiny model's character ids."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
@@ -25,15 +26,17 @@ def synthetic_samples(count: int, seed: int) -> list[dict[str, Any]]:
         completion = torch.randint(4, 40, (2 + (3 * i) % 7,), generator=gen).tolist()
         logprobs = (-torch.rand(len(completion), generator=gen) * 3 - 0.5).tolist()
         samples.append(
-            {
-                "prompt_ids": [1, *prompt],
-                "completion_ids": completion,
-                "logprobs": logprobs,
-                "advantage": float(torch.randn(1, generator=gen)),
-                "reward": 0.0,
-                "min_version": 0,
-                "max_version": 0,
-            }
+            Sample.parse(
+                {
+                    "prompt_ids": [1, *prompt],
+                    "completion_ids": completion,
+                    "logprobs": logprobs,
+                    "advantage": float(torch.randn(1, generator=gen)),
+                    "reward": 0.0,
+                    "min_version": 0,
+                    "max_version": 0,
+                }
+            )
         )
     return samples
 

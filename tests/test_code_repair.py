@@ -17,10 +17,10 @@ import pytest
 from rl.advantages import group_mean
 from rl.envs import Example, make_environment
 from rl.envs.code_repair import CodeRepair
-from rl.envs.code_tasks import make_task
+from rl.envs.code_repair.tasks import make_task
+from rl.envs.code_repair.tools import ToolCall
 from rl.model import build_char_tokenizer
 from rl.orchestrator import run_episodes, score_group
-from rl.tools import ToolCall
 from rl.testing import ROOT, compose_run
 
 SAMPLE = 12  # eval tasks the scripted and random policies play
@@ -177,9 +177,9 @@ def test_a_scripted_policy_solves_tasks_through_the_tool_interface(env: CodeRepa
         assert len(choice["env_spans"]) == 4  # one tool turn after each tool-calling turn
         assert "passed, 0 failed" in choice["text"]
         group = score_group(env, group_mean, example, [choice])
-        sample = group["samples"][0]
-        assert sample["reward"] == 1.0
-        assert sample["env_metrics"] == {
+        sample = group.samples[0]
+        assert sample.reward == 1.0
+        assert sample.env_metrics == {
             "tool_calls": 5, "tool_errors": 0, "edits": 1, "test_runs": 2, "turns": 5,
             "answered": 1.0,
         }  # fmt: skip

@@ -67,13 +67,6 @@ def test_schema_rejects_unknown_key_and_bad_type() -> None:
         compose_run("algorithm.loss=nonsense")
 
 
-def test_config_path_imports_no_torch() -> None:
-    code = "import sys, launcher.cli, launcher.plan, launcher.run; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
-
-
 def test_help_lists_groups() -> None:
     out = rl("--help")
     assert out.returncode == 0, out.stderr

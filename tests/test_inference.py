@@ -22,7 +22,6 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rl.broadcast import InferenceBroadcaster
 from rl.inference import generate
 from rl.model import (
     encode_prompt,
@@ -33,6 +32,7 @@ from rl.model import (
 )
 from rl.runtime import auth_headers, wait_for_address
 from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
+from rl.weights.broadcast import InferenceBroadcaster
 
 PROMPTS = ["hello world", "ab", "the quick brown fox jumps over"]
 TOKEN = "test-token"

@@ -8,8 +8,8 @@ import torch
 
 from rl.model import ensure_checkpoint, load_model
 from rl.packing import pack_rows, packed_logprobs, padding_waste
-from rl.trainer import pad_batch, token_logprobs
 from rl.testing import compose_run
+from rl.trainer import pad_batch, token_logprobs
 
 
 def test_rows_are_filled_longest_first_within_capacity() -> None:

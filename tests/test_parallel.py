@@ -23,9 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 from rl.model import load_model
-from rl.parallel import ParallelDims, from_config
-from tests import dist_workers
 from rl.testing import TOKEN, compose_run, write_run_dir
+from tests import dist_workers
 
 RTOL = 1e-5
 
@@ -191,20 +190,6 @@ def test_checkpoint_resumes_into_the_same_steps(resumed: dict[str, Path], layout
                 # Same world: bit for bit; one process: float32 rounding of the other order.
                 atol = 0.0 if world == 2 else 1e-5
                 torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=name)
-
-
-def test_parallel_dims_are_checked_without_a_mesh() -> None:
-    assert ParallelDims(2, 2, 1, 1, 4).fsdp_dims == ("dp_replicate", "dp_shard_cp")
-    assert ParallelDims(1, 4, 1, 2, 4).expert_fsdp_dims == ("efsdp_cp",)
-    assert ParallelDims(1, 2, 2, 1, 4).dp == 2
-    with pytest.raises(ValueError, match="= 4, but the trainer has 8 ranks"):
-        ParallelDims(2, 2, 1, 1, 8)
-    with pytest.raises(ValueError, match=r"ep=3: must divide dp_shard=4"):
-        ParallelDims(1, 4, 1, 3, 4)
-    with pytest.raises(ValueError, match="dp_shard=0: must be >= 1"):
-        ParallelDims(1, 0, 1, 1, 0)
-    hsdp = compose_run("parallel=hsdp").parallel.trainer
-    assert from_config(hsdp, 8) == ParallelDims(2, 4, 1, 1, 8)
 
 
 @pytest.mark.gpu

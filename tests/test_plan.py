@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from launcher.plan import PlanError, format_plan, plan
+from launcher.errors import PlanError
+from launcher.plan import format_plan, plan
 from rl.testing import compose_run, options
 
 DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
@@ -35,7 +36,8 @@ def test_slurm_matrix_plans(model: str) -> None:
         cfg = compose_run(f"model={model}", f"parallel={par}", "cluster=slurm", *extra)
         p = plan(cfg)
         mesh = p.mesh
-        assert mesh["world"] == mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
+        assert mesh["world"] == mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"]
+        assert "tp" not in mesh  # the trainer has no tensor parallelism
         trainer = p.role("trainer")[0]
         assert trainer.nodes * trainer.gpus_per_node == mesh["world"]
         assert {j.name for j in p.jobs} == {"control", "inference", "trainer"}
@@ -79,6 +81,9 @@ def test_local_default_plan() -> None:
     assert p.backend == "embedded" and p.trainer_world_size == 1 and p.jobs == []
     assert "--standalone" in p.role("trainer")[0].argv
     assert p.lr == compose_run().model.lr
+    # The values the roles derive too are decided once and recorded in plan.json.
+    recorded = json.loads(p.to_json())
+    assert (recorded["max_model_len"], recorded["broadcast_backend"]) == (128, "gloo")
 
 
 def test_algorithm_lr_overrides_model_lr() -> None:
@@ -118,6 +123,16 @@ def test_local_fsdp_two_cpu_processes() -> None:
                 "parallel.trainer.dp_shard=3",
             ],
             "do not split evenly over 2 node(s) of 8 GPUs",
+        ),
+        (
+            [
+                "model=qwen3_0_6b",
+                "cluster=slurm",
+                "cluster.partition=gpu",
+                "parallel=fsdp",
+                "parallel.trainer.tp=2",
+            ],
+            "parallel.trainer.tp=2: the trainer has no tensor parallelism",
         ),
         (
             ["cluster=slurm", "parallel=tp", "parallel.inference.tp=3"],
@@ -220,7 +235,7 @@ def test_broadcast_gives_vllm_relays_worker_extension() -> None:
         overrides = ("inference.backend=vllm", f"inference.weight_transport={transport}")
         args = plan(compose_run(*overrides)).role("inference")[0].argv
         assert ("--worker-extension-cls" in args) == wanted
-    assert args[args.index("--worker-extension-cls") + 1] == "rl.weight_sync.VllmWorkerExtension"
+    assert args[args.index("--worker-extension-cls") + 1] == "rl.weights.sync.VllmWorkerExtension"
 
 
 def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:

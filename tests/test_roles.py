@@ -9,10 +9,10 @@ import torch
 
 from rl.advantages import group_mean
 from rl.envs import Example, make_environment
-from rl.model import newest_version
 from rl.orchestrator import no_signal, score_group
-from rl.trainer import pad_batch, token_logprobs
+from rl.rundir import RunDir
 from rl.testing import compose_run
+from rl.trainer import pad_batch, token_logprobs
 
 
 def choice(text: str, ids: list[int], version: int) -> dict:
@@ -31,20 +31,21 @@ def test_score_group_rewards_advantages_and_versions() -> None:
     example = Example("reverse: abc\n", "cba")
     choices = [choice("cba", [7, 8, 9, 2], 4), choice("xyz", [10, 11, 12, 2], 5)]
     group = score_group(env, group_mean, example, choices)
-    assert [s["reward"] for s in group["samples"]] == [1.0, 0.0]
-    assert [s["advantage"] for s in group["samples"]] == [0.5, -0.5]
-    assert (group["min_version"], group["max_version"]) == (4, 5)
-    assert group["samples"][1]["completion_ids"] == [10, 11, 12, 2]
+    assert [s.reward for s in group.samples] == [1.0, 0.0]
+    assert [s.advantage for s in group.samples] == [0.5, -0.5]
+    assert (group.min_version, group.max_version) == (4, 5)
+    assert group.samples[1].completion_ids == [10, 11, 12, 2]
 
 
 def test_newest_version_ignores_incomplete(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path)
+    assert run_dir.newest_version() == -1  # no weights/ yet
     for n, complete in ((0, True), (1, True), (2, False)):
-        (tmp_path / f"step_{n}").mkdir()
+        run_dir.weights_for(n).mkdir(parents=True)
         if complete:
-            (tmp_path / f"step_{n}" / "COMPLETE").touch()
-    (tmp_path / "step_3.tmp").mkdir()
-    assert newest_version(tmp_path) == 1
-    assert newest_version(tmp_path / "missing") == -1
+            (run_dir.weights_for(n) / "COMPLETE").touch()
+    (run_dir.weights / "step_3.tmp").mkdir()
+    assert run_dir.newest_version() == 1
 
 
 def test_pad_batch_marks_completion_tokens() -> None:
@@ -82,8 +83,8 @@ def test_length_penalty_shapes_advantages_not_rewards() -> None:
     choices = [choice("cba", [7, 8, 9, 2], 0), choice("cba", [7, 8, 9, 9, 9, 9, 9, 2], 0)]
     group = score_group(env, group_mean, example, choices, length_penalty=0.5, max_tokens=8)
     # Both exact (reward 1.0); shaped 1 - 0.5*4/8 = 0.75 and 1 - 0.5*8/8 = 0.5, mean 0.625.
-    assert [s["reward"] for s in group["samples"]] == [1.0, 1.0]
-    assert [s["advantage"] for s in group["samples"]] == pytest.approx([0.125, -0.125])
+    assert [s.reward for s in group.samples] == [1.0, 1.0]
+    assert [s.advantage for s in group.samples] == pytest.approx([0.125, -0.125])
     assert not no_signal(group)
     flat = score_group(env, group_mean, example, choices)
     assert no_signal(flat)

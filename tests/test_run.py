@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.local import group_alive
-from rl.model import published_versions
+from launcher.setup import group_alive
+from rl.rundir import RunDir
 from rl.testing import ROOT
 
 pytestmark = pytest.mark.slow
@@ -145,7 +145,7 @@ def test_broadcast_weight_transport(tmp_path: Path, cache: Path) -> None:
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in train)
     assert all(min(r["versions"]) >= r["step"] - 2 for r in train)  # async_level 1
     assert [r["step"] for r in records if "eval/exact_match" in r][-1] == 4
-    assert published_versions(run_dir / "weights") == [0, 2, 4]
+    assert RunDir(run_dir).published_versions() == [0, 2, 4]
     assert (run_dir / "weights" / "BROADCAST").read_text() == "4"
     trainer = (run_dir / "logs" / "trainer.log").read_text()
     assert all(f"broadcast version {v} over gloo" in trainer for v in range(5))

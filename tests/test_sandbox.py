@@ -1,7 +1,7 @@
 """The code sandbox: each limit holds against code written to break it, and the run survives.
 
-Every attack runs for real in `rl.sandbox` and is followed by a normal run in the same test, to
-show that nothing was harmed and nothing of the attack is left running.
+Every attack runs for real in `rl.envs.code_repair.sandbox` and is followed by a normal run in
+the same test, to show that nothing was harmed and nothing of the attack is left running.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rl import sandbox
+from rl.envs.code_repair import sandbox
 
 PY = "/usr/bin/python3"
 LIMITS = sandbox.Limits(wall_s=5.0, cpu_s=3, memory_mb=256, processes=16)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import slurm
+from launcher import slurm_cli
 from launcher.report import read_records
+from rl.records import is_eval, is_train
+from rl.rundir import RunDir
 
 RL = str(Path(sys.executable).with_name("rl"))
 CLUSTER = ["cluster=slurm_cpu", "warmup.steps=80"]
@@ -62,12 +64,12 @@ def wait_until(predicate, timeout: float, what: str, poll: float = 2.0):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def final_states(run_dir: Path, timeout: float = 600) -> dict[str, slurm.JobState]:
+def final_states(run_dir: Path, timeout: float = 600) -> dict[str, slurm_cli.JobState]:
     """Each job's state once every job of the run has ended."""
-    ids = slurm.read_jobs(run_dir)
+    ids = slurm_cli.read_jobs(RunDir(run_dir))
 
-    def ended() -> dict[str, slurm.JobState] | None:
-        states = slurm.job_states(list(ids.values()))
+    def ended() -> dict[str, slurm_cli.JobState] | None:
+        states = slurm_cli.job_states(list(ids.values()))
         if all(states.get(i) and states[i].state.split()[0] in ENDED for i in ids.values()):
             return {name: states[i] for name, i in ids.items()}
         return None
@@ -75,7 +77,7 @@ def final_states(run_dir: Path, timeout: float = 600) -> dict[str, slurm.JobStat
     try:
         return wait_until(ended, timeout, f"the jobs of {run_dir} to end")
     except AssertionError:
-        slurm.slurm("scancel", *ids.values(), check=False)
+        slurm_cli.slurm("scancel", *ids.values(), check=False)
         raise
 
 
@@ -94,19 +96,19 @@ def requeue(job_id: str) -> None:
     (BeginTime), so let it start again soon. Not in the same second: a node refuses a job whose
     credential is not newer than its revocation of the job's previous run, which it counts in
     whole seconds ("Job credential revoked", and the job FAILS)."""
-    slurm.slurm("scancel", "--signal=USR2", job_id)
+    slurm_cli.slurm("scancel", "--signal=USR2", job_id)
     wait_until(
-        lambda: slurm.job_states([job_id])[job_id].state == "PENDING",
+        lambda: slurm_cli.job_states([job_id])[job_id].state == "PENDING",
         120,
         f"job {job_id} to be requeued",
         poll=0.5,
     )
     time.sleep(2)
-    slurm.slurm("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    slurm_cli.slurm("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
 def queued_jobs() -> set[str]:
-    return set(slurm.slurm("squeue", "-h", "-o", "%i").split())
+    return set(slurm_cli.slurm("squeue", "-h", "-o", "%i").split())
 
 
 @needs_slurm
@@ -134,9 +136,9 @@ def test_run_completes_across_nodes_and_reward_rises(tmp_path: Path) -> None:
 @needs_slurm
 def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
     run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=300"))
-    ids = slurm.read_jobs(run_dir)
+    ids = slurm_cli.read_jobs(RunDir(run_dir))
     wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 300, "the first trainer step")
-    slurm.slurm("scancel", ids["inference"])
+    slurm_cli.slurm("scancel", ids["inference"])
     states = final_states(run_dir, timeout=180)
     assert {s.state.split()[0] for s in states.values()} == {"CANCELLED"}, states
     failure = json.loads((run_dir / "failure.json").read_text())
@@ -153,7 +155,7 @@ def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
     """The trainer job, then the control job, are told to stop and requeued in one run."""
     # No periodic checkpoints: the one the trainer resumes from is the one it wrote when told.
     run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60", "trainer.checkpoint_every=0"))
-    ids = slurm.read_jobs(run_dir)
+    ids = slurm_cli.read_jobs(RunDir(run_dir))
     wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
     requeue(ids["trainer"])
     log_path = run_dir / "logs" / "trainer-node0.log"
@@ -293,11 +295,11 @@ def test_slurm_without_sbatch_fails_instead_of_running_here(tmp_path: Path) -> N
     ],
 )
 def test_gpus_read_from_a_nodes_gres(gres: str, gpus: int) -> None:
-    assert slurm._gpus(gres) == gpus
+    assert slurm_cli._gpus(gres) == gpus
 
 
 def test_sbatch_options_follow_the_plan() -> None:
-    from launcher.plan import plan
+    from launcher.plan import plan, sbatch_flags
     from rl.testing import compose_run
 
     cfg = compose_run(
@@ -311,7 +313,7 @@ def test_sbatch_options_follow_the_plan() -> None:
         "+cluster.sbatch_extra.reservation=rl",
     )
     p = plan(cfg)
-    flags = {j.name: slurm.sbatch_flags(j, p.run_name, cfg) for j in p.jobs}
+    flags = {j.name: sbatch_flags(j, p.run_name, cfg) for j in p.jobs}
     trainer = next(j for j in p.jobs if j.name == "trainer")
     assert flags["trainer"] == (
         f"--job-name={p.run_name}-trainer --nodes={trainer.nodes} --ntasks-per-node=1 "
@@ -328,14 +330,15 @@ def test_resumed_steps_count_once() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         lines = [
-            {"step": 1, "reward/mean": 0.1},
-            {"step": 2, "reward/mean": 0.2},
-            {"step": 0, "eval/exact_match": 0.0},
-            {"step": 2, "reward/mean": 0.25},  # recomputed after a hard kill and resume
-            {"step": 3, "reward/mean": 0.3},
+            {"kind": "train", "step": 1, "reward/mean": 0.1},
+            {"kind": "train", "step": 2, "reward/mean": 0.2},
+            {"kind": "eval", "step": 0, "eval/exact_match": 0.0},
+            {"kind": "eval", "step": 2, "eval/exact_match": 0.5},  # same step, other kind
+            {"kind": "train", "step": 2, "reward/mean": 0.25},  # recomputed after a resume
+            {"kind": "train", "step": 3, "reward/mean": 0.3},
         ]
         metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
         records = read_records(metrics)
-    train = sorted((r["step"], r["reward/mean"]) for r in records if "reward/mean" in r)
+    train = sorted((r["step"], r["reward/mean"]) for r in records if is_train(r))
     assert train == [(1, 0.1), (2, 0.25), (3, 0.3)]
-    assert [r["step"] for r in records if "eval/exact_match" in r] == [0]
+    assert sorted(r["step"] for r in records if is_eval(r)) == [0, 2]

@@ -18,14 +18,14 @@ from safetensors import safe_open
 import rl.model
 from rl.inference import generate
 from rl.model import (
-    COMPLETE,
     check_matches_config,
     ensure_checkpoint,
     load_model,
     load_tokenizer,
 )
-from tests import test_inference
+from rl.rundir import COMPLETE
 from rl.testing import compose_run
+from tests import test_inference
 
 # Fixtures reused as they are: a private RELAY_CACHE, and a real `python -m rl.inference`
 # process that serves this module's `cfg` and `checkpoint`.

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from rl.envs.code_repair.tools import CHATML, ChatFormat, Tool, ToolCall, parse_tool_calls
 from rl.model import build_char_tokenizer
-from rl.tools import CHATML, ChatFormat, Tool, ToolCall, parse_tool_calls
 
 READ = Tool("read_file", "Read one file.", {"path": {"type": "string"}})
 EDIT = Tool("edit_file", "Edit.", {"path": {"type": "string"}, "line": {"type": "integer"}})

@@ -26,9 +26,8 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from launcher.local import group_alive
 from launcher.plan import vllm_args
-from rl.broadcast import InferenceBroadcaster
+from launcher.setup import group_alive
 from rl.envs import make_environment
 from rl.inference import generate
 from rl.model import (
@@ -39,8 +38,9 @@ from rl.model import (
     publish_weights,
 )
 from rl.runtime import auth_headers, wait_for_address
-from rl.trainer import pad_batch, token_logprobs
 from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
+from rl.trainer import pad_batch, token_logprobs
+from rl.weights.broadcast import InferenceBroadcaster
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
 pytestmark = [

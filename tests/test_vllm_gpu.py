@@ -21,9 +21,9 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from rl.broadcast import InferenceBroadcaster
 from rl.model import load_model
 from rl.testing import compose_run
+from rl.weights.broadcast import InferenceBroadcaster
 from tests.test_vllm import complete, greedy, trained_checkpoint, vllm_server
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON") or (
@@ -83,7 +83,7 @@ def test_nccl_broadcast_into_vllm_matches_embedded_engine(tmp_path: Path) -> Non
         assert server.client.get("/admin/version").json() == {"policy_version": 1}
         status = server.client.get("/admin/weights/broadcast").json()
         assert status["receivers"] >= 1 and status["error"] is None
-        assert "Injected <class 'rl.weight_sync.VllmWorkerExtension'>" in vllm_log(server)
+        assert "Injected <class 'rl.weights.sync.VllmWorkerExtension'>" in vllm_log(server)
 
 
 def test_fp8_server_serves_and_takes_broadcast_weights(tmp_path: Path) -> None:

@@ -15,17 +15,15 @@ import pytest
 import torch
 
 from rl.model import (
-    COMPLETE,
     ensure_checkpoint,
     inference_state,
     load_model,
     load_tokenizer,
-    prune_versions,
     publish_weights,
-    published_versions,
 )
-from rl.weight_sync import GroupSpec, TensorSpec, WeightReceiver, WeightSender, buckets
+from rl.rundir import COMPLETE, RunDir
 from rl.testing import compose_run
+from rl.weights.sync import TensorSpec, WeightGroupSpec, WeightReceiver, WeightSender, buckets
 
 
 def updates(seed: int) -> dict[str, torch.Tensor]:
@@ -46,7 +44,7 @@ def updates(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def receive_twice(spec: GroupSpec, member: str, out: Any) -> None:
+def receive_twice(spec: WeightGroupSpec, member: str, out: Any) -> None:
     receiver = WeightReceiver(spec, member)
     got: dict[str, torch.Tensor] = {}
     first = receiver.receive(lambda tensors: got.update((n, t.clone()) for n, t in tensors))
@@ -179,10 +177,11 @@ def test_checkpoint_layout_is_what_publish_writes(
 
 
 def test_pruning_keeps_version_0_and_the_newest(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path)
     for version in (0, 2, 4, 5, 6, 8):
-        (tmp_path / f"step_{version}").mkdir()
-        (tmp_path / f"step_{version}" / COMPLETE).touch()
-    (tmp_path / "step_9").mkdir()  # being written: not complete, not counted
-    prune_versions(tmp_path, keep=3)
-    assert published_versions(tmp_path) == [0, 5, 6, 8]
-    assert (tmp_path / "step_9").exists()
+        run_dir.weights_for(version).mkdir(parents=True)
+        (run_dir.weights_for(version) / COMPLETE).touch()
+    run_dir.weights_for(9).mkdir()  # being written: not complete, not counted
+    run_dir.prune_versions(keep=3)
+    assert run_dir.published_versions() == [0, 5, 6, 8]
+    assert run_dir.weights_for(9).exists()

@@ -16,8 +16,9 @@ from rl.envs import Example, make_environment
 from rl.envs.wordle import feedback, parse_guess
 from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
 from rl.orchestrator import InferenceClient, run_episodes, score_group
-from rl.trainer import Trainer, trained_tokens
+from rl.records import Sample
 from rl.testing import TOKEN, compose_run, embedded_server
+from rl.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +109,8 @@ def test_masks_cover_exactly_the_models_tokens(env: Any) -> None:
     assert (choice["policy_version"], choice["policy_version_max"]) == (1, 3)
 
     group = score_group(env, group_mean, example, [choice, choice])
-    (decoded,), _ = wire.decode(wire.encode([group]))
-    sample = decoded["samples"][0]
+    (decoded,), _ = wire.decode(wire.encode([group.to_dict()]))
+    sample = Sample.parse(decoded["samples"][0])
     trainer = SimpleNamespace(tokenizer=tokenizer, device=torch.device("cpu"))
     batch = Trainer.micro_batch(trainer, [sample])
     mask = batch["mask"][0].tolist()
@@ -128,11 +129,11 @@ def test_masks_cover_exactly_the_models_tokens(env: Any) -> None:
         example, [" crane", " xyzzy"]
     )
     # Token by token: position i carries loss iff it lies in a model turn.
-    spans = sample["env_spans"]
-    for i in range(len(sample["completion_ids"])):
+    spans = sample.env_spans
+    for i in range(len(sample.completion_ids)):
         in_env = any(begin <= i < end for begin, end in spans)
         assert mask[len(prompt) + i] is (not in_env)
-    assert sum(mask) == trained_tokens(sample)
+    assert sum(mask) == sample.trained_tokens
     # The environment's tokens carry no inference logprob either.
     assert torch.all(batch["inference_logprobs"][0][~batch["mask"][0]] == 0)
 

@@ -6,6 +6,10 @@ its own (`respond`) until it returns None, and scores the model's turns together
 orchestrator drives both through the same inference client; in multi-turn samples only the
 model's own tokens carry loss, the environment's messages are masked.
 
+Every environment subclasses `Environment`, which declares the members the orchestrator uses,
+each optional one with a default that means "not used", so an environment defines only what it
+has.
+
 `make_environment(cfg.environment)` picks one from the registry the `environment` config
 group selects from; modules are imported on demand, so one environment's dependencies never
 slow down another's start.
@@ -14,8 +18,9 @@ slow down another's start.
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -28,35 +33,55 @@ class Example:
     info: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
-class Environment(Protocol):
+class Environment(ABC):
+    """What every environment is: its examples, its reward and exact match, and the optional
+    members below, whose defaults mean "not used". `make_environment` builds one from the
+    `environment` config group (`Class(env_cfg)`)."""
+
     name: str
-    max_turns: int
+    """Its id in `REGISTRY`."""
+    max_turns: int = 1
     """Model turns per episode: 1 for single-turn environments."""
+    chat: bool = False
+    """True: turns are a chat template's, so a model turn cut at `max_tokens` gets the
+    end-of-turn token before the environment's reply."""
+    concurrency: int = 1
+    """Replies and rewards computed this many at a time."""
+    max_episode_tokens: int | None = None
+    """Tokens per episode after the prompt; None: up to the served context length."""
 
-    def train_examples(self) -> list[Example]: ...
+    @abstractmethod
+    def train_examples(self) -> list[Example]:
+        """The training split."""
 
-    def eval_examples(self) -> list[Example]: ...
+    @abstractmethod
+    def eval_examples(self) -> list[Example]:
+        """The held-out split."""
 
+    @abstractmethod
     def reward(self, example: Example, completion: Any) -> float:
         """Single-turn: `completion` is the text. Multi-turn: the list of the model's turns."""
-        ...
 
-    def exact_match(self, example: Example, completion: Any) -> bool: ...
+    @abstractmethod
+    def exact_match(self, example: Example, completion: Any) -> bool:
+        """Whether `completion` solves the example (the eval metric)."""
 
+    def use_tokenizer(self, tokenizer: Any) -> None:  # noqa: B027 - optional: a no-op here
+        """Called once before multi-turn rollouts, for environments that render a chat template."""
 
-class MultiTurnEnvironment(Environment, Protocol):
-    """Optional members the orchestrator uses when an environment has them:
-    `use_tokenizer(tokenizer)` (called once, for environments that render a chat template),
-    `prompt_ids(example)` (the opening as token ids, instead of BOS + `example.prompt`),
-    `chat` (True: each model turn ends with the end-of-turn token before the reply),
-    `concurrency` (replies and rewards computed this many at a time, default 1),
-    `max_episode_tokens` (tokens after the prompt), and `metrics(example, turns)` (numbers per
-    episode, logged as batch means `env/<name>`)."""
+    def prompt_ids(self, example: Example) -> list[int] | None:
+        """The episode's opening as token ids; None: the orchestrator encodes BOS +
+        `example.prompt`."""
+        return None
+
+    def metrics(self, example: Example, completion: Any) -> dict[str, float]:
+        """Numbers per episode, logged as batch means `env/<name>`; {}: none."""
+        return {}
 
     def respond(self, example: Example, turns: list[str]) -> str | None:
-        """The environment's message after the model's latest turn (`turns[-1]`), or None when
-        the episode is over."""
-        ...
+        """The environment's message after the model's latest turn (`turns[-1]`); None when
+        the episode is over (always, for single-turn environments)."""
+        return None
 
 
 # name -> "module:Class"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from rl.envs import Example, check_args
+from rl.envs import Environment, Example, check_args
 
 PROMPT_STYLES = ("plain", "tagged")
 TAG_INSTRUCTION = "Think step by step, then give the final answer inside <answer></answer> tags."
@@ -58,14 +58,12 @@ def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
-class ReasoningGymEnvironment:
+class ReasoningGymEnvironment(Environment):
     """One reasoning-gym dataset as a single-turn environment; subclasses phrase and read it."""
 
-    name: ClassVar[str]
     dataset: ClassVar[str]
     """reasoning-gym's name for the dataset."""
     Args: ClassVar[type[ReasoningArgs]] = ReasoningArgs
-    max_turns = 1
 
     def __init__(self, env_cfg: Any) -> None:
         self.args = check_args(dict(env_cfg.args), self.Args())

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from rl.envs import Example, check_args
+from rl.envs import Environment, Example, check_args
 
 
 def lcs_length(a: str, b: str) -> int:
@@ -47,9 +47,8 @@ def parse_args(args: dict[str, Any]) -> ReverseTextArgs:
     return check_args(args, ReverseTextArgs())
 
 
-class ReverseText:
+class ReverseText(Environment):
     name = "reverse_text"
-    max_turns = 1
 
     def __init__(self, env_cfg: Any) -> None:
         from english_words import get_english_words_set

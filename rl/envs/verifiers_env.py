@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from rl.envs import Example, check_args
+from rl.envs import Environment, Example, check_args
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ async def replay(env: Any, task: Any, turns: list[str], stop_at_end: bool) -> tu
 # --- the environment ------------------------------------------------------------------------
 
 
-class VerifiersEnvironment:
+class VerifiersEnvironment(Environment):
     name = "verifiers"
 
     def __init__(self, env_cfg: Any) -> None:

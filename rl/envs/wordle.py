@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from rl.envs import Example, check_args
+from rl.envs import Environment, Example, check_args
 
 INTRO = (
     "wordle: find the 5-letter word. feedback per letter: g right place, y elsewhere, x absent.\n"
@@ -68,7 +68,7 @@ def letter_score(marks: str) -> float:
     return (2 * marks.count("g") + marks.count("y")) / 10
 
 
-class Wordle:
+class Wordle(Environment):
     name = "wordle"
 
     def __init__(self, env_cfg: Any) -> None:

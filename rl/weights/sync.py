@@ -43,7 +43,7 @@ POLL_S = 0.05
 
 
 @dataclass(frozen=True)
-class GroupSpec:
+class WeightGroupSpec:
     """How to join one weight group; the sender makes a fresh one whenever membership changes."""
 
     host: str
@@ -57,7 +57,7 @@ class GroupSpec:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> GroupSpec:
+    def from_json(cls, text: str) -> WeightGroupSpec:
         return cls(**json.loads(text))
 
 
@@ -111,11 +111,11 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"weight broadcast backend {backend!r}: valid: {', '.join(BACKENDS)}")
 
 
-def _store_key(spec: GroupSpec, key: str) -> str:
+def _store_key(spec: WeightGroupSpec, key: str) -> str:
     return f"relay-weights/{spec.group}/{key}"
 
 
-def open_group(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
+def open_group(spec: WeightGroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
     """This process's member of the group `spec` names (blocks until every rank is there)."""
     prefixed = dist.PrefixStore(_store_key(spec, "pg"), store)
     timeout = timedelta(seconds=spec.timeout_s)
@@ -133,7 +133,7 @@ def open_group(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGro
 class _Member:
     """One end of a weight group: collectives on byte buffers on the backend's device."""
 
-    def __init__(self, spec: GroupSpec, pg: dist.ProcessGroup) -> None:
+    def __init__(self, spec: WeightGroupSpec, pg: dist.ProcessGroup) -> None:
         self.spec, self.pg = spec, pg
         self.device = torch.device("cpu")
         if spec.backend == "nccl":
@@ -160,14 +160,14 @@ class WeightSender(_Member):
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
 
-    def new_group(self, receivers: int) -> GroupSpec:
+    def new_group(self, receivers: int) -> WeightGroupSpec:
         """A fresh group for this many receivers (plus this rank)."""
         group = uuid.uuid4().hex[:12]
-        return GroupSpec(
+        return WeightGroupSpec(
             self.host, self.store.port, receivers + 1, self.backend, self.timeout_s, group
         )
 
-    def join(self, spec: GroupSpec, members: dict[str, int]) -> None:
+    def join(self, spec: WeightGroupSpec, members: dict[str, int]) -> None:
         """Form the group once each member (a server's name) has its receivers in, or fail
         naming those that are missing after `timeout_s`."""
         deadline = time.monotonic() + spec.timeout_s
@@ -188,7 +188,7 @@ class WeightSender(_Member):
             time.sleep(POLL_S)
         super().__init__(spec, open_group(spec, self.store, 0))
 
-    def joined(self, spec: GroupSpec, names: list[str]) -> dict[str, int]:
+    def joined(self, spec: WeightGroupSpec, names: list[str]) -> dict[str, int]:
         """How many receivers of each named server have joined the group so far."""
         return {name: self.store.add(_store_key(spec, f"joined/{name}"), 0) for name in names}
 
@@ -226,7 +226,7 @@ class WeightSender(_Member):
 class WeightReceiver(_Member):
     """A receiving rank: joins the group `spec` names and takes updates from rank 0."""
 
-    def __init__(self, spec: GroupSpec, member: str) -> None:
+    def __init__(self, spec: WeightGroupSpec, member: str) -> None:
         store = dist.TCPStore(
             spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)
         )
@@ -273,7 +273,7 @@ class WeightReceiver(_Member):
 
 class VllmWorkerExtension:
     """Relay's methods on every vLLM worker (`--worker-extension-cls
-    rl.weight_sync.VllmWorkerExtension`), called through vLLM's collective_rpc."""
+    rl.weights.sync.VllmWorkerExtension`), called through vLLM's collective_rpc."""
 
     def relay_weight_receiver(self) -> dict:
         """Who answers: one entry per worker, so the server can count its receivers."""
@@ -282,7 +282,7 @@ class VllmWorkerExtension:
     def init_weight_group(self, spec: str, member: str) -> None:
         """Join the weight group `spec` (JSON) as one of server `member`'s receivers."""
         self.relay_receiver = None  # leave an old group before joining the next
-        self.relay_receiver = WeightReceiver(GroupSpec.from_json(spec), member)
+        self.relay_receiver = WeightReceiver(WeightGroupSpec.from_json(spec), member)
 
     def receive_weights(self) -> dict:
         """Take one update and load it in place through vLLM's own reload (which shards,

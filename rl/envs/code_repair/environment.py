@@ -3,11 +3,11 @@
 The model gets the task in the chat template of its tokenizer with four tools (`list_files`,
 `read_file`, `edit_file`, `run_tests`); each turn's tool calls are executed and their results
 sent back as tool turns; a turn without a tool call ends the episode (as do `max_turns` turns
-or `max_episode_tokens` tokens, enforced by the orchestrator). Packages come from
-`rl.envs.code_tasks` (seeded, thousands, held-out eval split).
+or `max_episode_tokens` tokens, enforced by the orchestrator). Packages come from `tasks.py`
+(seeded, thousands, held-out eval split); the tools' wire format is `tools.py`'s.
 
 An episode's files are the task's files plus the edits of its turns, replayed in order, so the
-environment keeps no state per episode. Model-written code only ever runs in `rl.sandbox`,
+environment keeps no state per episode. Model-written code only ever runs in `sandbox.py`,
 `sandboxes` at a time. The reward comes from the task's own tests, run after the episode on the
 edited package (edits to the tests do not count): the fraction of the tests that failed at the
 start and pass now, less any that passed at the start and fail now (so 1 when all pass, 0 for
@@ -25,10 +25,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from rl import sandbox
-from rl.envs import Example, check_args
-from rl.envs.code_tasks import Task, make_task
-from rl.tools import ChatFormat, Tool, ToolCall, parse_tool_calls
+from rl.envs import Environment, Example, check_args
+from rl.envs.code_repair import sandbox
+from rl.envs.code_repair.tasks import Task, make_task
+from rl.envs.code_repair.tools import ChatFormat, Tool, ToolCall, parse_tool_calls
 
 SYSTEM = "You are a careful Python programmer. You fix bugs with the tools you are given."
 RESULT_MARK = "@@relay-test-results@@"
@@ -88,7 +88,7 @@ class CodeRepairArgs:
     tool call (less for fewer turns): shaping for models that do not call tools yet."""
 
 
-class CodeRepair:
+class CodeRepair(Environment):
     name = "code_repair"
     chat = True  # turns end with the template's end-of-turn token
 

@@ -1,6 +1,7 @@
 """A sandbox for model-written code: one throwaway process tree per run, fenced in by the kernel.
 
-Each `run` starts `python -m rl.sandbox` as a bootstrap that, before it executes the command:
+Each `run` starts this module (`python -m rl.envs.code_repair.sandbox`) as a bootstrap that,
+before it executes the command:
 - enters new mount, network, PID, IPC and UTS namespaces (plus a user namespace when not root):
   no network but a loopback that is down, no view of other processes;
 - remounts every file system read-only except the run's working directory, bind-mounted
@@ -88,8 +89,10 @@ def run(argv: list[str], workdir: Path, limits: Limits | None = None, stdin: str
 
 def _run(spec: str, limits: Limits, stdin: str) -> Result:
     t0 = time.monotonic()
+    # `__name__` is this module's dotted name here: the caller imported it (only the bootstrap
+    # runs it as __main__, and never gets here).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rl.sandbox", spec],
+        [sys.executable, "-m", __name__, spec],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -127,7 +130,8 @@ def check() -> None:
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    """The directory that holds `rl`, for the bootstrap's import path."""
+    return str(Path(__file__).resolve().parents[__name__.count(".")])
 
 
 def _exit_code(status: int) -> int:
@@ -171,7 +175,8 @@ def _wait_gone(uid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-# The bootstrap: runs as `python -m rl.sandbox <spec>`, then becomes the command.
+# The bootstrap: runs as `python -m rl.envs.code_repair.sandbox <spec>`, then becomes the
+# command.
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -8,123 +8,46 @@ Trainer rank 0 drives every update (`InferenceBroadcaster.update`):
 3. asks each server to receive version N: the server answers at once and, in the background,
    pauses generation, joins the group if needed, takes the weights, resumes;
 4. forms the group (a server whose receivers never arrive fails the update by name),
-   broadcasts (rl/weight_sync.py), and waits until every server reports version N;
+   broadcasts (rl/weights/sync.py), and waits until every server reports version N;
 5. records N in `weights/BROADCAST`: the orchestrator generates batch N once the recorded
    version allows it, as it waits for `weights/step_N` with the filesystem transport.
 Every wait is bounded by `inference.broadcast_timeout_s`. vLLM is sent the tensors in the
 layout `save_pretrained` writes (its loader's input: MoE experts one tensor each), the embedded
-engine the module's own. Both inference backends serve the same two routes (`add_routes`) over
-their own `ReceivingServer`.
+engine the module's own. The servers' end is rl/weights/routes.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
-import torch
-from fastapi import Depends, FastAPI, HTTPException
-from pydantic import BaseModel
 
-from rl.model import inference_state, record_broadcast
+from rl.config import RunConfig
+from rl.derive import broadcast_backend, inference_backend
+from rl.model import inference_state
+from rl.rundir import RunDir
 from rl.runtime import Peer, auth_headers, inference_names, run_token, server_host
-from rl.weight_sync import GroupSpec, WeightSender
-
-ROUTE = "/admin/weights/broadcast"
-MAX_WAIT_S = 30.0  # longest a status request is held open
-
-
-class ReceivingServer(Protocol):
-    """An inference server's end of the broadcast."""
-
-    version: int
-    weight_group: str | None
-
-    async def weight_receivers(self) -> int:
-        """Processes that each take the whole update (they shard it themselves)."""
-        ...
-
-    async def receive_broadcast(self, spec: GroupSpec, member: str, version: int) -> None:
-        """Join `spec` unless already in it, take one update, serve it as `version`."""
-        ...
-
-
-class BroadcastRequest(BaseModel):
-    version: int
-    member: str
-    group: dict[str, Any]
-
-
-def add_routes(app: FastAPI, guard: Any, server: ReceivingServer, log: logging.Logger) -> None:
-    """GET: the server's broadcast status, after waiting up to `wait` seconds for an update
-    being received to end; POST: start receiving an update (answered at once, 409 while one is
-    still being received)."""
-    receiving: dict[str, Any] = {"task": None, "error": None}
-
-    def busy() -> bool:
-        return receiving["task"] is not None and not receiving["task"].done()
-
-    @app.get(ROUTE, dependencies=[Depends(guard)])
-    async def status(wait: float = 0.0) -> dict:
-        if busy() and wait > 0:
-            await asyncio.wait({receiving["task"]}, timeout=min(wait, MAX_WAIT_S))
-        try:
-            receivers, error = await server.weight_receivers(), receiving["error"]
-        except Exception as exc:  # e.g. vLLM started without Relay's worker extension
-            receivers, error = 0, f"{type(exc).__name__}: {exc}"
-        return {
-            "policy_version": server.version,
-            "receivers": receivers,
-            "group": server.weight_group,
-            "busy": busy(),
-            "error": error,
-        }
-
-    async def receive(spec: GroupSpec, member: str, version: int) -> None:
-        try:
-            await server.receive_broadcast(spec, member, version)
-        except Exception as exc:
-            log.exception("broadcast of version %d failed", version)
-            receiving["error"] = f"{type(exc).__name__}: {exc}"
-
-    @app.post(ROUTE, dependencies=[Depends(guard)])
-    async def start(body: BroadcastRequest) -> dict:
-        if busy():
-            raise HTTPException(409, "still receiving the previous broadcast")
-        try:
-            spec = GroupSpec(**body.group)
-        except TypeError as exc:
-            raise HTTPException(400, f"group: {exc}") from exc
-        receiving["error"] = None
-        receiving["task"] = asyncio.create_task(receive(spec, body.member, body.version))
-        return {"accepted": True}
-
-
-def default_backend(cfg: Any) -> str:
-    """NCCL where the cluster has GPUs and this process sees CUDA, gloo otherwise."""
-    gpus = cfg.cluster.gpus_per_node and torch.cuda.is_available()
-    return str(cfg.inference.broadcast_backend or ("nccl" if gpus else "gloo"))
+from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S, WeightPublisher
+from rl.weights.sync import WeightGroupSpec, WeightSender
 
 
 class InferenceBroadcaster:
     """Trainer rank 0's side: one weight group with every inference server, each new version
     sent through it (see the module docstring for the order of an update)."""
 
-    def __init__(self, run_dir: Path, cfg: Any, log: logging.Logger) -> None:
-        self.run_dir, self.log = run_dir, log
+    def __init__(self, run_dir: Path, cfg: RunConfig, log: logging.Logger) -> None:
+        self.run_dir, self.log = RunDir(run_dir), log
         self.timeout_s = float(cfg.inference.broadcast_timeout_s)
-        self.sender = WeightSender(server_host(), default_backend(cfg), self.timeout_s)
+        self.sender = WeightSender(server_host(), str(broadcast_backend(cfg)), self.timeout_s)
         self.servers = [Peer(run_dir, name) for name in inference_names(cfg)]
         self.http = httpx.Client(headers=auth_headers(run_token(run_dir)), timeout=60.0)
-        self.spec: GroupSpec | None = None
+        self.spec: WeightGroupSpec | None = None
         # vLLM loads checkpoint-format tensors; the embedded engine holds the module's layout.
-        backend = cfg.inference.backend or ("vllm" if cfg.cluster.gpus_per_node else "embedded")
-        self.checkpoint_layout = str(backend) == "vllm"
+        self.checkpoint_layout = inference_backend(cfg) == "vllm"
 
     def publish(self, version: int, model: Any, state: dict[str, Any] | None = None) -> None:
         """Send `model`'s weights (or its gathered `state`) as `version`, in the layout the
@@ -159,7 +82,7 @@ class InferenceBroadcaster:
             raise
         t_sent = time.monotonic()
         self._wait_for(version)
-        record_broadcast(self.run_dir / "weights", version)
+        self.run_dir.record_broadcast(version)
         self.log.info(
             "broadcast version %d over %s: %.1f MB to %d receivers in %.3f s (+%.3f s until "
             "every server served it)%s",
@@ -173,7 +96,7 @@ class InferenceBroadcaster:
         )
 
     def _request(self, server: Peer, method: str, **kwargs: Any) -> httpx.Response:
-        return server.request(self.http, method, ROUTE, **kwargs)
+        return server.request(self.http, method, BROADCAST_ROUTE, **kwargs)
 
     def _statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -189,7 +112,7 @@ class InferenceBroadcaster:
         deadline = time.monotonic() + self.timeout_s
         for server in self.servers:
             while True:
-                wait = max(min(deadline - time.monotonic(), MAX_WAIT_S), 0.0)
+                wait = max(min(deadline - time.monotonic(), MAX_STATUS_WAIT_S), 0.0)
                 response = self._request(server, "GET", params={"wait": wait})
                 response.raise_for_status()
                 status = response.json()
@@ -209,3 +132,28 @@ class InferenceBroadcaster:
                         f"weight broadcast: {server.name} did not report version {version} "
                         f"within {self.timeout_s:g} s"
                     )
+
+
+class BroadcastPublisher(WeightPublisher):
+    """Sends every version to the servers; writes `weights/step_N` only where a restarted
+    server, a resume or an export reads it: version 0, checkpointed versions and the last."""
+
+    def __init__(
+        self, run_dir: Path, cfg: RunConfig, disk: WeightPublisher, log: logging.Logger
+    ) -> None:
+        self.run_dir, self.cfg, self.disk, self.log = run_dir, cfg, disk, log
+        self.broadcaster: InferenceBroadcaster | None = None  # made at the first publish
+
+    def exported(self, version: int) -> bool:
+        """Whether `version` is also written to disk."""
+        every = self.cfg.trainer.checkpoint_every
+        return version in (0, self.cfg.max_steps) or bool(every and version % every == 0)
+
+    def publish(
+        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | None
+    ) -> None:
+        if self.exported(version):
+            self.disk.publish(version, model, tokenizer, state)
+        if self.broadcaster is None:
+            self.broadcaster = InferenceBroadcaster(self.run_dir, self.cfg, self.log)
+        self.broadcaster.publish(version, model, state)

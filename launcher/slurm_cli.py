@@ -1,0 +1,202 @@
+"""Slurm's command-line clients, and what a run directory records about a run's jobs.
+
+Submission from the login node (launcher/slurm.py) and each job's supervisor
+(launcher/supervisor.py) both ask Slurm the same things: what the partitions hold, each job's
+state in the accounting database, a node's address. Both also read the run's job ids and write
+why it ended. These live here, below both, and call the Slurm clients (`scontrol`, `sinfo`,
+`sacct`, `sacctmgr`, `scancel`) as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+from launcher.errors import ConfigError
+from rl.rundir import RunDir, write_atomic
+
+# Job states after which a job will not run again (a requeued job passes through PENDING).
+ENDED_BADLY = (
+    "BOOT_FAIL",
+    "CANCELLED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+)
+
+
+def slurm(*args: str, check: bool = True) -> str:
+    """Run a Slurm client command; its stdout, or ConfigError with what it printed."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"cluster=slurm: `{args[0]}` not found; submit from a Slurm login node "
+            f"(nothing was started here)"
+        ) from None
+    if check and done.returncode:
+        message = (done.stderr or done.stdout).strip().splitlines()
+        raise ConfigError(f"`{' '.join(args)}` failed: {message[-1] if message else done}")
+    return done.stdout
+
+
+# --- what the cluster has --------------------------------------------------------------------
+
+
+@dataclass
+class Partition:
+    name: str
+    default: bool
+    nodes: int
+    max_nodes: int | None
+    cpus: int
+    mem_mb: int
+    gpus: int
+
+
+def partitions() -> dict[str, Partition]:
+    """Every partition with the largest CPU, memory and GPU counts among its nodes."""
+    found: dict[str, Partition] = {}
+    for line in slurm("scontrol", "show", "partition", "-o").splitlines():
+        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        if "PartitionName" not in fields:
+            continue
+        name = fields["PartitionName"]
+        max_nodes = fields.get("MaxNodes", "UNLIMITED")
+        found[name] = Partition(
+            name=name,
+            default=fields.get("Default") == "YES",
+            nodes=int(fields.get("TotalNodes", 0)),
+            max_nodes=None if max_nodes == "UNLIMITED" else int(max_nodes),
+            cpus=0,
+            mem_mb=0,
+            gpus=0,
+        )
+    for line in slurm("sinfo", "-h", "-N", "-o", "%R|%c|%m|%G").splitlines():
+        name, cpus, mem, gres = line.strip().split("|")
+        part = found.get(name)
+        if part is None:
+            continue
+        part.cpus = max(part.cpus, int(cpus.rstrip("+")))
+        part.mem_mb = max(part.mem_mb, int(mem.rstrip("+")))
+        part.gpus = max(part.gpus, _gpus(gres))
+    return found
+
+
+def _gpus(gres: str) -> int:
+    """GPUs in a node's Gres string such as `gpu:h100:8(S:0-1),shard:4` or `(null)`."""
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def sacctmgr_names(*args: str) -> set[str] | None:
+    """Names sacctmgr lists, or None when the cluster keeps no accounting to ask."""
+    out = subprocess.run(
+        ["sacctmgr", "-n", "-P", *args], capture_output=True, text=True, timeout=60
+    )
+    if out.returncode:
+        return None
+    return {line.strip() for line in out.stdout.splitlines() if line.strip()}
+
+
+def node_address(node: str) -> str:
+    """The address other nodes reach `node` at (its NodeAddr; the name when unset)."""
+    out = slurm("scontrol", "show", "node", "-o", node)
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match.group(1) if match else node
+
+
+def hostnames(nodelist: str) -> list[str]:
+    return slurm("scontrol", "show", "hostnames", nodelist).split()
+
+
+# --- the run's jobs --------------------------------------------------------------------------
+
+
+@dataclass
+class JobState:
+    state: str
+    nodes: str
+    elapsed: str
+    reason: str
+
+
+def job_states(ids: list[str]) -> dict[str, JobState]:
+    """Each job's current state from the accounting database (a requeued job's newest run)."""
+    if not ids:
+        return {}
+    out = slurm(
+        "sacct",
+        "-n",
+        "-P",
+        "-X",
+        "-j",
+        ",".join(ids),
+        "-o",
+        "JobID,State,NodeList,Elapsed,Reason",
+    )
+    states = {}
+    for line in out.splitlines():
+        job_id, state, nodes, elapsed, reason = line.split("|")
+        states[job_id] = JobState(state, nodes, elapsed, reason)
+    return states
+
+
+def ended_badly(state: str) -> bool:
+    return state.split()[0] in ENDED_BADLY
+
+
+def ended(state: str) -> bool:
+    """Whether a job in `state` will not run again, well or badly."""
+    return state.split()[0] in (*ENDED_BADLY, "COMPLETED")
+
+
+def write_jobs(run: RunDir, partition: str, ids: dict[str, str]) -> None:
+    """Record the run's job ids by role group (atomically: every job reads them)."""
+    write_atomic(run.jobs, json.dumps({"partition": partition, "jobs": ids}, indent=2))
+
+
+def read_jobs(run: RunDir) -> dict[str, str]:
+    """The run's job ids by role group ({} when it has none recorded)."""
+    try:
+        return json.loads(run.jobs.read_text())["jobs"]
+    except FileNotFoundError:
+        return {}
+
+
+def record_failure(run: RunDir, reason: str, job: str | None = None) -> bool:
+    """Record why the run ended, once (the first job to notice wins); True if this call did."""
+    record = {"reason": reason, "job": job}
+    try:
+        fd = os.open(run.failure, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=2)
+    return True
+
+
+def failure_reason(run: RunDir) -> str | None:
+    """Why the run ended early, if a job has recorded it."""
+    try:
+        return json.loads(run.failure.read_text())["reason"]
+    except FileNotFoundError:
+        return None
+
+
+def cancel_run(run: RunDir, reason: str, job: str | None = None) -> None:
+    """Record the reason and cancel every job of the run that is still queued or running."""
+    record_failure(run, reason, job)
+    ids = read_jobs(run)
+    if ids:
+        slurm("scancel", *ids.values(), check=False)

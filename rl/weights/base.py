@@ -1,0 +1,43 @@
+"""The weight transport's two ends, and the factories that choose one by config.
+
+The trainer and the orchestrator hold one of each (made by rl/weights/factory.py) and never
+branch on the transport:
+- trainer rank 0: `publisher.wanted(v)` (is there anything left to do for version v, e.g. after
+  a restart) and `publisher.publish(v, model, tokenizer, state)`;
+- orchestrator: `waiter.wait(minimum, held)` blocks until every inference server holds a
+  version >= minimum and returns the version they hold.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+# The inference servers' broadcast routes (rl/weights/routes.py), and the longest a status
+# request is held open there.
+BROADCAST_ROUTE = "/admin/weights/broadcast"
+MAX_STATUS_WAIT_S = 30.0
+
+
+class WeightPublisher(ABC):
+    """Trainer rank 0's end: makes policy version N available to inference."""
+
+    def wanted(self, version: int) -> bool:
+        """Whether publishing `version` still has work to do (every rank asks rank 0 before
+        the collective that gathers sharded weights)."""
+        return True
+
+    @abstractmethod
+    def publish(
+        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | None
+    ) -> None:
+        """Publish `model`'s weights (or its gathered `state`) as `version`."""
+
+
+class VersionWaiter(ABC):
+    """The orchestrator's end: waits until inference serves a new enough policy."""
+
+    @abstractmethod
+    def wait(self, minimum: int, held: int) -> int:
+        """Block until every server holds a version >= `minimum` (`held` is what they held
+        before); returns the version they hold now."""

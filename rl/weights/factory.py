@@ -1,0 +1,31 @@
+"""The weight transport's two ends for a run, chosen by `inference.weight_transport`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from rl.config import RunConfig, WeightTransport
+from rl.weights.base import VersionWaiter, WeightPublisher
+from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, FilesystemWaiter
+
+
+def make_publisher(cfg: RunConfig, run_dir: Path, log: logging.Logger) -> WeightPublisher:
+    """The trainer's publisher for `inference.weight_transport`."""
+    disk = FilesystemPublisher(run_dir, cfg.trainer.keep_weights)
+    if cfg.inference.weight_transport != WeightTransport.broadcast:
+        return disk
+    from rl.weights.broadcast import BroadcastPublisher  # torch, only where it is used
+
+    return BroadcastPublisher(run_dir, cfg, disk, log)
+
+
+def make_waiter(
+    cfg: RunConfig, run_dir: Path, inference: Any, log: logging.Logger
+) -> VersionWaiter:
+    """The orchestrator's waiter for `inference.weight_transport`; `inference` loads weights
+    into every server (`load_weights(path, version)`)."""
+    if cfg.inference.weight_transport == WeightTransport.broadcast:
+        return BroadcastRecordWaiter(run_dir)
+    return FilesystemWaiter(run_dir, inference, log)

@@ -1,0 +1,74 @@
+"""Weights through the run directory: `weights/step_N/` in HF layout, COMPLETE written last.
+
+The trainer writes each version (and prunes old ones); the orchestrator waits for it and asks
+every inference server to load it. With the broadcast transport the trainer sends weights
+itself and records the version all servers confirmed in `weights/BROADCAST`; the orchestrator
+then only waits for that record (`BroadcastRecordWaiter`, kept here because it reads a file and
+needs none of the broadcast's torch machinery).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from rl.model import publish_weights
+from rl.rundir import RunDir, is_complete
+from rl.weights.base import VersionWaiter, WeightPublisher
+
+
+class FilesystemPublisher(WeightPublisher):
+    """Writes `weights/step_N/` and keeps the newest `keep` versions (and version 0)."""
+
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        self.run_dir, self.keep = RunDir(run_dir), keep
+
+    def wanted(self, version: int) -> bool:
+        return not is_complete(self.run_dir.weights_for(version))
+
+    def publish(
+        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | None
+    ) -> None:
+        if not self.wanted(version):
+            return
+        self.run_dir.weights.mkdir(parents=True, exist_ok=True)
+        publish_weights(model, tokenizer, self.run_dir.weights_for(version), state_dict=state)
+        self.run_dir.prune_versions(self.keep)
+
+
+class FilesystemWaiter(VersionWaiter):
+    """Waits for `weights/step_N` and loads the newest version into every server."""
+
+    def __init__(self, run_dir: Path, inference: Any, log: logging.Logger) -> None:
+        self.run_dir, self.inference, self.log = RunDir(run_dir), inference, log
+
+    def wait(self, minimum: int, held: int) -> int:
+        started = time.monotonic()
+        while (newest := self.run_dir.newest_version()) < minimum:
+            time.sleep(0.05)
+        if newest <= held:
+            return held
+        t0 = time.monotonic()
+        self.inference.load_weights(self.run_dir.weights_for(newest), newest)
+        self.log.info(
+            "loaded version %d into inference (waited %.2f s, load %.2f s)",
+            newest,
+            t0 - started,
+            time.monotonic() - t0,
+        )
+        return newest
+
+
+class BroadcastRecordWaiter(VersionWaiter):
+    """Waits until `weights/BROADCAST` records a new enough version (the trainer has sent it
+    and every server confirmed it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = RunDir(run_dir)
+
+    def wait(self, minimum: int, held: int) -> int:
+        while (newest := self.run_dir.broadcast_version()) < minimum:
+            time.sleep(0.02)
+        return max(held, newest)

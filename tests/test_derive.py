@@ -1,0 +1,65 @@
+"""Values derived from a run config (rl/derive.py): each decided in one place, used by the
+planner and by the roles. No torch here."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl.derive import (
+    LayoutError,
+    ParallelDims,
+    broadcast_backend,
+    inference_backend,
+    learning_rate,
+    max_model_len,
+    trainer_dims,
+)
+from rl.testing import compose_run
+
+
+def test_parallel_dims_are_checked_without_a_mesh() -> None:
+    assert ParallelDims(2, 2, 1, 1, 4).fsdp_dims == ("dp_replicate", "dp_shard_cp")
+    assert ParallelDims(1, 4, 1, 2, 4).expert_fsdp_dims == ("efsdp_cp",)
+    assert ParallelDims(1, 2, 2, 1, 4).dp == 2
+    with pytest.raises(LayoutError, match="= 4, but the trainer has 8 ranks"):
+        ParallelDims(2, 2, 1, 1, 8)
+    with pytest.raises(LayoutError, match=r"ep=3: must divide dp_shard=4"):
+        ParallelDims(1, 4, 1, 3, 4)
+    with pytest.raises(LayoutError, match="dp_shard=0: must be >= 1"):
+        ParallelDims(1, 0, 1, 1, 0)
+
+
+def test_trainer_dims_fill_dp_shard_from_the_ranks() -> None:
+    hsdp = compose_run("parallel=hsdp").parallel.trainer
+    assert hsdp.dp_shard == -1
+    assert trainer_dims(hsdp, 8) == ParallelDims(hsdp.dp_replicate, 8 // hsdp.dp_replicate, 1, 1, 8)
+    # Nothing says how many processes a CPU cluster has: -1 means one shard per replica.
+    assert trainer_dims(hsdp) == ParallelDims(hsdp.dp_replicate, 1, 1, 1, hsdp.dp_replicate)
+    fixed = compose_run("parallel=fsdp", "parallel.trainer.dp_shard=2").parallel.trainer
+    assert trainer_dims(fixed, 8).world == 2
+
+
+def test_trainer_tensor_parallelism_is_refused_not_turned_into_fsdp() -> None:
+    """The trainer has no TP: asking for it fails naming the key, instead of its ranks quietly
+    becoming FSDP ranks."""
+    par = compose_run("parallel=fsdp", "parallel.trainer.tp=2").parallel.trainer
+    with pytest.raises(LayoutError, match=r"^parallel.trainer.tp=2: the trainer has no tensor"):
+        trainer_dims(par, 8)
+
+
+def test_backend_length_lr_and_broadcast_backend() -> None:
+    cpu = compose_run()
+    assert inference_backend(cpu) == "embedded"
+    assert broadcast_backend(cpu) == "gloo"
+    gpu = compose_run("cluster.gpus_per_node=8")
+    assert inference_backend(gpu) == "vllm"
+    assert broadcast_backend(gpu) == "nccl"
+    assert (
+        inference_backend(compose_run("cluster.gpus_per_node=8", "inference.backend=embedded"))
+        == "embedded"
+    )
+    assert broadcast_backend(compose_run("inference.broadcast_backend=nccl")) == "nccl"
+    assert max_model_len(cpu) == (cpu.model.inference.max_model_len or cpu.model.context_length)
+    assert max_model_len(compose_run("model.inference.max_model_len=77")) == 77
+    assert learning_rate(cpu) == cpu.model.lr
+    assert learning_rate(compose_run("algorithm.lr=1e-5")) == 1e-5
