@@ -10,19 +10,20 @@ the start of the first trainer step to the end of the last, so start-up is exclu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from rl.records import is_train
+from rl.rundir import RunDir
+from rl.testing import ROOT
 
 
 def samples_per_second(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    records = RunDir(run_dir).read_metrics()
+    train = sorted(filter(is_train, records), key=lambda r: r["step"])
     # Skip the first steps: they include the first generation with nothing to overlap.
     steady = train[2:]
     span = steady[-1]["timestamp"] - (steady[0]["timestamp"] - steady[0]["time/step"])

@@ -12,30 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from rl import wire
-from rl.config import register
-from rl.runtime import wait_for_address
-
-ROOT = Path(__file__).resolve().parent.parent
+from rl.runtime import auth_headers, wait_for_address
+from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 GROUPS_PER_STEP = 8
-TOKEN = "bench"
 
 
 def make_group(rng: random.Random, version: int) -> dict:
@@ -56,32 +48,20 @@ def make_group(rng: random.Random, version: int) -> dict:
 
 
 def start_queue(run_dir: Path) -> subprocess.Popen[bytes]:
-    register()
-    overrides = [
+    cfg = compose_run(
         f"environment.prompts_per_step={GROUPS_PER_STEP}",
         "queue.capacity=100000",
         "queue.max_request_mb=256",
         "algorithm.max_off_policy_steps=1000000",  # every group is version 0
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (run_dir / "token").write_text(TOKEN)
-    return subprocess.Popen(
-        [sys.executable, "-m", "rl.rollout_queue", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
+    return start_role("queue", write_run_dir(run_dir, cfg, TOKEN))
 
 
 def bench_queue(
     url: str, bodies: list[bytes], content_type: str, accept: str, first_step: int
 ) -> dict[str, float]:
-    headers = {"Authorization": f"Bearer {TOKEN}"}
     latencies = []
-    with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+    with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=120) as client:
         t0 = time.perf_counter()
         for body in bodies:
             start = time.perf_counter()
@@ -159,8 +139,7 @@ def main() -> None:
                 "binary": bench_queue(url, binary, binary_type, binary_type, steps),
             }
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+            stop_role(proc)
     raw = raw_loopback_mb_per_s(binary)
     print(f"{'format':<8} {'groups/s':>9} {'push MB/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'pull MB/s':>10} {'push/raw':>9}")  # fmt: skip

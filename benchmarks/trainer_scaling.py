@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rl.packing import pack_rows  # noqa: E402
-from rl.testing import TOKEN, compose_run, write_run_dir  # noqa: E402
+from rl.packing import pack_rows
+from rl.testing import TOKEN, compose_run, write_run_dir
 
 MODEL = [  # a Qwen3 of 3.2M parameters (12.7 MB): arithmetic, not overhead, dominates
     "model.num_layers=4",

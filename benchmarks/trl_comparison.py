@@ -25,7 +25,6 @@ ratios Relay/TRL.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -36,28 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from rl.config import register
+from rl.derive import learning_rate
 from rl.envs import Environment, Example, make_environment
 from rl.inference import generate
 from rl.model import ensure_checkpoint, load_model, load_tokenizer
-from rl.rundir import mark_complete
+from rl.records import is_eval, is_train
+from rl.rundir import RunDir, mark_complete
+from rl.testing import ROOT, compose_run
 from rl.trainer import sft_batch, token_logprobs
 
-ROOT = Path(__file__).resolve().parent.parent
 RECENT = 10  # train steps the "last reward" column averages over
-
-
-def compose_cfg(*overrides: str) -> DictConfig:
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def learning_rate(cfg: DictConfig) -> float:
-    return cfg.algorithm.lr if cfg.algorithm.lr is not None else cfg.model.lr
 
 
 def warm_up(cfg: DictConfig, target: Path) -> Path:
@@ -113,13 +102,14 @@ def run_relay(
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         raise SystemExit(f"relay run failed:\n{out.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
-    evals = {r["step"]: r for r in records if "eval/exact_match" in r}
+    layout = RunDir(run_dir)
+    records = layout.read_metrics()
+    train = sorted(filter(is_train, records), key=lambda r: r["step"])
+    evals = {r["step"]: r for r in filter(is_eval, records)}
     # The eval at version 0 runs while the first trainer step waits for its batch.
     span = train[-1]["timestamp"] - (train[0]["timestamp"] - train[0]["time/step"])
     rl_seconds = span - evals[0]["time/eval"]
-    model = load_model(run_dir / "weights" / f"step_{steps}", dtype=cfg.model.dtype)
+    model = load_model(layout.weights_for(steps), dtype=cfg.model.dtype)
     return {
         "rl_seconds": rl_seconds,
         "wall_seconds": wall,
@@ -228,7 +218,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="RL steps for each system")
     parser.add_argument("overrides", nargs="*", help="extra rl overrides (both sides' config)")
     args = parser.parse_args()
-    cfg = compose_cfg(*args.overrides)
+    cfg = compose_run(*args.overrides)
     env = make_environment(cfg.environment)
     max_tokens = cfg.environment.max_tokens
     batch = cfg.environment.prompts_per_step * cfg.environment.group_size

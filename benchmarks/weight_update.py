@@ -18,31 +18,25 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import torch
-from hydra import compose, initialize_config_dir
 
 from launcher.plan import vllm_args
-from rl.config import register
 from rl.model import (
     ensure_checkpoint,
     load_model,
     load_tokenizer,
     publish_weights,
 )
+from rl.rundir import RunDir
 from rl.runtime import auth_headers, wait_for_address
+from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
 from rl.weights.broadcast import InferenceBroadcaster
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the role helpers the tests use
-from rl.testing import start_role, stop_role, write_run_dir  # noqa: E402
-
-TOKEN = "bench"
 LARGER = [
     "model.name=small",
     "model.hidden_size=512",
@@ -54,19 +48,14 @@ LARGER = [
 ]
 
 
-def compose_cfg(*overrides: str):
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
 def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
     run_dir = write_run_dir(root / f"{cfg.model.name}-{backend}", cfg, TOKEN)
-    (run_dir / "weights").mkdir()
+    layout = RunDir(run_dir)
+    layout.weights.mkdir()
     extra = ["--", *vllm_args(cfg, 1, None)] if backend == "vllm" else []
     proc = start_role("inference", run_dir, "--replica", "0", *extra)
     try:
@@ -81,7 +70,7 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
                 with torch.no_grad():  # a new policy: every weight changes
                     for p in model.parameters():
                         p.mul_(0.999)
-                target = run_dir / "weights" / f"step_{version}"
+                target = layout.weights_for(version)
                 t0 = time.perf_counter()
                 publish_weights(model, tok, target)
                 t1 = time.perf_counter()
@@ -126,7 +115,7 @@ def main() -> None:
             for backend in backends:
                 serve = [f"inference.backend={backend}", f"inference.vllm_python={vllm_python}",
                          "inference.weight_transport=broadcast"]  # fmt: skip
-                cfg = compose_cfg(*overrides, *serve)
+                cfg = compose_run(*overrides, *serve)
                 r = measure(cfg, backend, Path(tmp), args.repeats)
                 filesystem = r["publish"] + r["load"]
                 print(

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.errors import PlanError
-from rl.config import Backend, BroadcastBackend, ClusterKind, WeightTransport
+from rl.config import ROLE_MODULES, Backend, BroadcastBackend, ClusterKind, WeightTransport
 from rl.derive import (
     LayoutError,
     broadcast_backend,
@@ -59,7 +59,7 @@ class Process:
 
 @dataclass
 class Job:
-    """One Slurm job: a role group with its resources."""
+    """One Slurm job (control, inference or trainer: the roles it runs) with its resources."""
 
     name: str
     nodes: int
@@ -435,18 +435,20 @@ def plan(cfg: DictConfig) -> RunPlan:
     gpus = cfg.cluster.gpus_per_node
     run_args = ["--run-dir", "${RELAY_RUN_DIR}"]
     processes: list[Process] = [
-        Process("queue", "queue", ["python", "-m", "rl.rollout_queue", *run_args], job="control"),
+        Process(
+            "queue", "queue", ["python", "-m", ROLE_MODULES["queue"], *run_args], job="control"
+        ),
         Process(
             "orchestrator",
             "orchestrator",
-            ["python", "-m", "rl.orchestrator", *run_args],
+            ["python", "-m", ROLE_MODULES["orchestrator"], *run_args],
             job="control",
         ),
     ]
     backend = inference_backend(cfg)
     # On a CPU node trainer and inference run side by side: split the cores between them
     # instead of letting both oversubscribe every core.
-    # On Slurm each role group has nodes of its own.
+    # On Slurm each job has nodes of its own.
     threads = cfg.cluster.omp_threads or (
         cfg.cluster.cpus_per_node if slurm else cfg.cluster.cpus_per_node // 2
     )
@@ -456,7 +458,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     for i in range(cfg.parallel.inference.replicas):
         for kv_role in kv_roles:
             suffix = {None: "", "kv_producer": "-prefill", "kv_consumer": "-decode"}[kv_role]
-            argv = ["python", "-m", "rl.inference", *run_args, "--replica", str(i)]
+            argv = ["python", "-m", ROLE_MODULES["inference"], *run_args, "--replica", str(i)]
             if backend == Backend.vllm:
                 argv += ["--", *vllm_args(cfg, replica_nodes, kv_role)]
             processes.append(
@@ -491,7 +493,7 @@ def plan(cfg: DictConfig) -> RunPlan:
         Process(
             "trainer",
             "trainer",
-            [*torchrun, "-m", "rl.trainer", *run_args],
+            [*torchrun, "-m", ROLE_MODULES["trainer"], *run_args],
             env={"OMP_NUM_THREADS": "1"} if gpus else cpu_threads,
             job="trainer",
             nodes=trainer_nodes,

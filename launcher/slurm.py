@@ -2,11 +2,11 @@
 
 `submit` asks the cluster what it has (partitions, their nodes' CPUs, memory and GPUs, the
 user's accounts and QOS) and fails before anything is submitted when a job cannot fit. It then
-submits one job per role group with submitit, each held until all are in (so a failed
-submission leaves no job running and no run directory), records their ids in `jobs.json` and
-returns. Every job runs `launcher.supervisor.JobRoles`, which starts that job's roles, watches
-the other jobs and cancels the run when one of them fails. The Slurm clients themselves are
-called through launcher/slurm_cli.py.
+submits one job per set of roles (control, inference, trainer) with submitit, each held until
+all are in (so a failed submission leaves no job running and no run directory), records their
+ids in `jobs.json` and returns. Every job runs `launcher.supervisor.JobRoles`, which starts
+that job's roles, watches the other jobs and cancels the run when one of them fails. The Slurm
+clients themselves are called through launcher/slurm_cli.py.
 """
 
 from __future__ import annotations

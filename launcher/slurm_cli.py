@@ -162,12 +162,12 @@ def ended(state: str) -> bool:
 
 
 def write_jobs(run: RunDir, partition: str, ids: dict[str, str]) -> None:
-    """Record the run's job ids by role group (atomically: every job reads them)."""
+    """Record the run's job ids by job name (atomically: every job reads them)."""
     write_atomic(run.jobs, json.dumps({"partition": partition, "jobs": ids}, indent=2))
 
 
 def read_jobs(run: RunDir) -> dict[str, str]:
-    """The run's job ids by role group ({} when it has none recorded)."""
+    """The run's job ids by job name ({} when it has none recorded)."""
     try:
         return json.loads(run.jobs.read_text())["jobs"]
     except FileNotFoundError:
