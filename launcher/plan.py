@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher.checks import check_ranges
 from launcher.errors import PlanError
 from rl.config import ROLE_MODULES, Backend, BroadcastBackend, ClusterKind, WeightTransport
 from rl.derive import (
@@ -410,6 +411,7 @@ def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: i
 
 def plan(cfg: DictConfig) -> RunPlan:
     """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key."""
+    check_ranges(cfg)
     if cfg.environment.name not in ENVIRONMENTS:
         _fail(f"environment.name={cfg.environment.name}", f"valid: {', '.join(ENVIRONMENTS)}")
     if cfg.max_steps < 1:

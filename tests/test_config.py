@@ -98,6 +98,8 @@ def test_cfg_job_prints_composed_config() -> None:
             ["model=qwen3_0_6b", "parallel=ep8", "dry_run=true"],
             "parallel.trainer.ep=8: expert parallelism needs an MoE model",
         ),
+        # Not a dry run: refused before any role starts (stdout stays empty).
+        (["algorithm.lr=-1"], "algorithm.lr=-1.0: must be a positive number"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], expected: str) -> None:

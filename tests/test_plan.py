@@ -243,3 +243,32 @@ def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:
     args = args[args.index("--") + 1 :]
     assert args[args.index("--dtype") + 1] == "float32" and "--enforce-eager" in args
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(512 * 2**20)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.lr=-1", "algorithm.lr=-1.0: must be a positive number"),
+        ("algorithm.lr=nan", "algorithm.lr=nan: must be a positive number"),
+        ("environment.prompts_per_step=-4", "environment.prompts_per_step=-4: must be >= 1"),
+        ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens=0: must be >= 1"),
+        ("inference.max_batch_size=0", "inference.max_batch_size=0: must be >= 1"),
+        ("environment.group_size=100000", "environment.group_size=100000: one prompt's group"),
+        ("inference.port=70000", "inference.port=70000: must be 0 (any free) to 65535"),
+        ("queue.port=-1", "queue.port=-1: must be 0 (any free) to 65535"),
+        ("queue.max_request_mb=0", "queue.max_request_mb=0: must be >= 1"),
+        ("seed=9223372036854775808", "seed=9223372036854775808: must be between 0 and"),
+        ("trainer.checkpoint_every=-5", "trainer.checkpoint_every=-5: must be >= 0"),
+        ("max_restarts=-1", "max_restarts=-1: must be >= 0"),
+        ("warmup.steps=-1", "warmup.steps=-1: must be >= 0"),
+        ("algorithm.max_off_policy_steps=-1", "algorithm.max_off_policy_steps=-1: must be >= 0"),
+        ("queue.capacity=0", "queue.capacity=0: must hold at least one step's"),
+        ("cluster.master_port=0", "cluster.master_port=0: must be 1 to 65535"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_by_name(override: str, message: str) -> None:
+    """Values that started every role before failing (some restarting in a loop), or that ran
+    to the end with nonsense, fail in the plan, naming the key."""
+    with pytest.raises(PlanError) as err:
+        plan(compose_run(override))
+    assert str(err.value).startswith(message)
