@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from rl.derive import learning_rate
 from rl.envs import Environment, Example, make_environment
-from rl.inference import generate
+from rl.generation import generate
 from rl.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.records import is_eval, is_train
 from rl.rundir import RunDir, mark_complete

@@ -22,13 +22,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from rl.auth import bearer_guard
 from rl.config import Backend, RunConfig
 from rl.derive import inference_backend, max_model_len
+from rl.generation import Sample, generate
 from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
 from rl.rundir import RunDir, is_complete
 from rl.runtime import (
@@ -42,120 +43,6 @@ from rl.runtime import (
 )
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec, WeightReceiver
-
-if TYPE_CHECKING:
-    import torch
-
-
-class Sample(NamedTuple):
-    """One decoded sequence: sampled ids (EOS included when it stopped there) and their logprobs."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
-
-
-def _per_row(value: Any, rows: int) -> list[Any]:
-    return list(value) if isinstance(value, Sequence) else [value] * rows
-
-
-def _left_pad(prompts_ids: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
-    """Ids and attention mask with prompts right-aligned, so every row's next token is last."""
-    import torch
-
-    lengths = torch.tensor([len(p) for p in prompts_ids])
-    mask = torch.arange(int(lengths.max())) >= (lengths.max() - lengths)[:, None]
-    ids = torch.full(mask.shape, pad_id, dtype=torch.long)
-    ids[mask] = torch.tensor([t for p in prompts_ids for t in p], dtype=torch.long)
-    return ids.to(device), mask.long().to(device)
-
-
-def _sample(
-    logits: torch.Tensor, temperature: torch.Tensor, groups: dict[int, tuple[Any, list[int]]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens and their logprobs under the temperature-scaled softmax (plain at 0).
-
-    Sampling is Gumbel-max with uniform noise drawn per generator group: each group draws the
-    same amount of noise every step, so a seeded request's tokens do not depend on which other
-    requests share its batch.
-    """
-    import torch
-
-    greedy = temperature == 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-    noise = torch.empty_like(logp)
-    for generator, rows in groups.values():
-        shape = (len(rows), logp.shape[1])
-        noise[rows] = torch.rand(shape, generator=generator, device=logp.device)
-    gumbel = -torch.log(-torch.log(noise.clamp_min(torch.finfo(noise.dtype).tiny)))
-    tokens = torch.where(greedy, logp.argmax(-1), (logp + gumbel).argmax(-1))
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
-
-
-def generate(
-    model: Any,
-    tokenizer: Any,
-    prompts_ids: list[list[int]],
-    max_tokens: int | Sequence[int],
-    temperature: float | Sequence[float],
-    generators: Sequence[torch.Generator | None] | None = None,
-) -> list[Sample]:
-    """Decode every prompt in one left-padded batch with a KV cache; per-row limits and RNGs.
-
-    `max_tokens`, `temperature` and `generators` are one value for all rows or one per row; rows
-    sharing a generator object draw from it together, None uses torch's default generator.
-    """
-    import torch
-    from transformers import DynamicCache
-
-    rows, device = len(prompts_ids), model.device
-    limits = torch.tensor(_per_row(max_tokens, rows), device=device)
-    temps = torch.tensor(_per_row(temperature, rows), dtype=torch.float32, device=device)
-    groups: dict[int, tuple[Any, list[int]]] = {}
-    for row, gen in enumerate(_per_row(generators, rows)):
-        groups.setdefault(id(gen), (gen, []))[1].append(row)
-    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(eos_id, 0)
-    # Rows with the same prompt (a group's n samples) share one prompt pass: the cache, mask
-    # and positions are then gathered per row.
-    distinct: dict[tuple[int, ...], int] = {}
-    source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts_ids])
-    ids, mask = _left_pad([list(p) for p in distinct], pad_id, device)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache, steps_ids, steps_logp = DynamicCache(config=model.config), [], []
-    lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
-    with torch.inference_mode():
-        while not bool(done.all()):
-            if steps_ids:  # after the prompt pass, feed back only the newest tokens
-                ids, positions = steps_ids[-1][:, None], positions[:, -1:] + 1
-                mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                logits_to_keep=1,  # the prompt pass needs only the last position's logits
-            )
-            logits = out.logits[:, -1].float()
-            if not steps_ids and len(distinct) < rows:
-                source = source.to(device)
-                cache.reorder_cache(source)
-                logits, mask, positions = logits[source], mask[source], positions[source]
-            tokens, logp = _sample(logits, temps, groups)
-            tokens = torch.where(done, pad_id, tokens)
-            steps_ids.append(tokens)
-            steps_logp.append(logp)
-            lengths += (~done).long()
-            stopped |= ~done & (tokens == eos_id)
-            done |= stopped | (lengths >= limits)
-    all_ids, all_logp = torch.stack(steps_ids, 1).tolist(), torch.stack(steps_logp, 1).tolist()
-    return [
-        Sample(all_ids[r][:n], all_logp[r][:n], "stop" if stop else "length")
-        for r, (n, stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
-    ]
 
 
 def load_state_dict_in_place(model: Any, path: Path) -> None:
@@ -221,14 +108,32 @@ class LoadJob:
     future: Future = field(default_factory=Future)
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread is not running, so a queued request will never be served."""
+
+
+def _fail(jobs: Sequence[CompletionJob | LoadJob], exc: BaseException) -> None:
+    """Fail the futures of `jobs` not already answered (or cancelled by a departed client)."""
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+
 class Engine:
-    """Owns the model on one thread, so batches and weight swaps can never overlap."""
+    """Owns the model on one thread, so batches and weight swaps can never overlap.
+
+    An error in one batch or load fails only that work's futures. Should the thread die anyway,
+    `failure` says why, and every queued and later request fails with `EngineStopped`.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: RunConfig, logger: logging.Logger):
         import torch
 
         self.model, self.tokenizer, self.logger = model, tokenizer, logger
         self.model_name, self.max_batch_size = cfg.model.name, cfg.inference.max_batch_size
+        # Ids the model can embed (it may sample ones the tokenizer does not name, and a
+        # multi-turn episode sends them back as its next prompt).
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.version = -1  # base weights; the orchestrator loads version 0 before rollouts
         # Seeded from the OS: replicas must not draw identical samples for unseeded requests.
         self.generator = torch.Generator(device=model.device)
@@ -236,6 +141,7 @@ class Engine:
         self._pending: deque[CompletionJob | LoadJob] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._died = ""  # why the thread ended early; "" while it runs or after stop()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -247,8 +153,17 @@ class Engine:
             self._cond.notify()
         self._thread.join()
 
+    def failure(self) -> str:
+        """Why the engine cannot serve ("" while its thread runs)."""
+        if self._thread.is_alive():
+            return ""
+        return self._died or "the engine thread is not running"
+
     def submit(self, job: CompletionJob | LoadJob) -> Future:
         with self._cond:
+            if self._died:
+                _fail([job], EngineStopped(self._died))
+                return job.future
             self._pending.append(job)
             self._cond.notify()
         return job.future
@@ -274,11 +189,28 @@ class Engine:
             return batch
 
     def _loop(self) -> None:
-        while (work := self._next_work()) is not None:
+        jobs: list[CompletionJob | LoadJob] = []
+        try:
+            while (work := self._next_work()) is not None:
+                jobs = [work] if isinstance(work, LoadJob) else list(work)
+                self._serve(work)
+        except BaseException as exc:  # reported by failure() and /health, not raised again
+            self.logger.exception("the engine thread died")
+            with self._cond:
+                self._died = f"the engine thread died: {exc!r}"
+                stranded, self._pending = list(self._pending), deque()
+            _fail(jobs + stranded, EngineStopped(self._died))
+
+    def _serve(self, work: list[CompletionJob] | LoadJob) -> None:
+        """Run one load or batch; an error fails that work's futures and no others."""
+        try:
             if isinstance(work, LoadJob):
                 self._load(work)
             elif work:
                 self._run_batch(work)
+        except Exception as exc:
+            self.logger.exception("%s failed", "load" if isinstance(work, LoadJob) else "batch")
+            _fail([work] if isinstance(work, LoadJob) else work, exc)
 
     def _load(self, job: LoadJob) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -320,13 +252,7 @@ class Engine:
                 temps += [job.temperature] * job.n
                 gens += [gen] * job.n
         start = time.perf_counter()
-        try:
-            samples = generate(self.model, self.tokenizer, prompts, limits, temps, gens)
-        except Exception as exc:
-            self.logger.exception("batch of %d rows failed", len(prompts))
-            for job in jobs:
-                job.future.set_exception(exc)
-            return
+        samples = generate(self.model, self.tokenizer, prompts, limits, temps, gens)
         tokens = sum(len(s.token_ids) for s in samples)
         seconds = time.perf_counter() - start
         self.logger.debug("batch of %d rows: %d tokens in %.2f s", len(prompts), tokens, seconds)
@@ -370,7 +296,8 @@ class CompletionRequest(BaseModel):
     temperature: float = 1.0
     n: int = 1
     logprobs: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    """Seeds the request's own generator; torch takes seeds below 2**63 here."""
     stop: str | list[str] | None = None  # accepted for compatibility, not applied
 
 
@@ -389,7 +316,7 @@ def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
 
 
 def check_request(
-    body: CompletionRequest, ids: list[list[int]], max_len: int, max_rows: int
+    body: CompletionRequest, ids: list[list[int]], max_len: int, max_rows: int, vocab_size: int
 ) -> str:
     """Why the request cannot be served ("" when it can): checked before anything is queued."""
     if not ids:
@@ -403,6 +330,8 @@ def check_request(
         if not prompt or len(prompt) + body.max_tokens > max_len:
             total = f"{len(prompt)} tokens + max_tokens={body.max_tokens}"
             return f"prompt {i}: {total} must be between 1 and the context length {max_len}"
+        if (bad := next((t for t in prompt if not 0 <= t < vocab_size), None)) is not None:
+            return f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})"
     return ""
 
 
@@ -447,6 +376,49 @@ def _response(
     }
 
 
+# Generous for any servable request: a token costs at most a few bytes as a JSON id, and text
+# averages a few characters a token (more when JSON-escaped).
+BYTES_PER_TOKEN = 16
+BODY_SLACK = 64 * 1024  # the request's other fields
+
+
+def body_limit(max_len: int, max_rows: int) -> int:
+    """The largest request body accepted: max_rows prompts of max_len tokens each, and slack."""
+    return max_rows * max_len * BYTES_PER_TOKEN + BODY_SLACK
+
+
+class BodyLimit:
+    """ASGI middleware refusing (413) a body over `limit` bytes before it is read whole: by its
+    Content-Length at once, or as its streamed size passes the limit."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _too_large(self) -> str:
+        return f"request body over {self.limit} bytes (inference.max_batch_size x context length)"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        from fastapi import HTTPException
+        from fastapi.responses import JSONResponse
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await JSONResponse({"detail": self._too_large()}, 413)(scope, receive, send)
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # raised inside the route: answered as a 413
+                raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def build_app(engine: Engine, token: str, max_len: int) -> Any:
     """The HTTP routes; every handler awaits the engine thread's future, never the model."""
     from fastapi import Depends, FastAPI, HTTPException
@@ -455,7 +427,9 @@ def build_app(engine: Engine, token: str, max_len: int) -> Any:
 
     authorized = bearer_guard(token)
 
-    app = FastAPI(title="relay-inference")
+    # The OpenAPI description is served behind the token like every route but /health.
+    app = FastAPI(title="relay-inference", openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=body_limit(max_len, engine.max_batch_size))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
@@ -463,8 +437,14 @@ def build_app(engine: Engine, token: str, max_len: int) -> Any:
         return JSONResponse({"detail": "; ".join(reasons)}, status_code=400)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:
+        if reason := engine.failure():
+            return JSONResponse({"status": "failed", "detail": reason}, status_code=503)
         return {"status": "ok", "policy_version": engine.version}
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi() -> dict:
+        return app.openapi()
 
     @app.get("/admin/version", dependencies=[Depends(authorized)])
     async def version() -> dict:
@@ -484,11 +464,16 @@ def build_app(engine: Engine, token: str, max_len: int) -> Any:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest) -> dict:
-        ids = prompt_ids(engine.tokenizer, body.prompt)
-        if reason := check_request(body, ids, max_len, engine.max_batch_size):
+        # Off the event loop: a long text takes a while to tokenize, and /health must answer.
+        ids = await asyncio.to_thread(prompt_ids, engine.tokenizer, body.prompt)
+        if reason := check_request(body, ids, max_len, engine.max_batch_size, engine.vocab_size):
             raise HTTPException(400, reason)
         job = CompletionJob(ids, body.n, body.max_tokens, body.temperature, body.seed)
-        return _response(body, ids, await asyncio.wrap_future(engine.submit(job)), engine)
+        try:
+            result = await asyncio.wrap_future(engine.submit(job))
+        except EngineStopped as exc:
+            raise HTTPException(503, str(exc)) from exc
+        return _response(body, ids, result, engine)
 
     return app
 

@@ -4,6 +4,10 @@
   the rollout queue, stored, and on to the trainer; `BatchShard` is one trainer rank's share of
   a step's batch. On the wire they travel in rl/wire.py's binary format or as JSON; `parse`
   turns what arrived into these types or raises `RecordError` naming the first bad field.
+  Both formats get the same checks (numpy arrays from the binary format, vectorised): token
+  ids in 0..2**31-1 (int32, not negative; the vocabulary size is the model's business),
+  finite logprobs, a non-empty prompt and completion, and versions in 0..2**63-1 (they are
+  stored as SQLite integers) with min <= max and every sample's inside its group's.
 - `TrainRecord` and `EvalRecord` are the lines of metrics.jsonl. Every line carries `kind`
   (`train` or `eval`), which is how readers tell them apart.
 
@@ -19,7 +23,10 @@ from typing import Any
 
 import numpy as np
 
-INT32 = (-(2**31), 2**31 - 1)
+INT32_MAX = 2**31 - 1
+"""Largest token id: ids travel as int32 (rl/wire.py)."""
+INT64_MAX = 2**63 - 1
+"""Largest version or batch number: the queue stores them as SQLite (signed 64-bit) integers."""
 ARRAY_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
@@ -60,6 +67,43 @@ def _valid_spans(spans: Any, length: int) -> bool:
             return False
         at = span[1]
     return True
+
+
+def _valid_ids(ids: Any) -> bool:
+    """Whether every token id is an integer in 0..INT32_MAX."""
+    if isinstance(ids, np.ndarray):
+        in_range = (ids >= 0) & (ids <= INT32_MAX)
+        return ids.ndim == 1 and ids.dtype.kind in "iu" and bool(in_range.all())
+    return all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)
+
+
+def _all_finite(values: Any) -> bool:
+    if isinstance(values, np.ndarray):
+        return values.ndim == 1 and values.dtype.kind in "iuf" and bool(np.isfinite(values).all())
+    return all(_is_number(x) for x in values)
+
+
+def _versions(raw: dict[str, Any], where: str) -> tuple[int, int]:
+    """(min_version, max_version) of a sample or group, each in 0..INT64_MAX, min <= max."""
+    for key in ("min_version", "max_version"):
+        value = raw.get(key)
+        if not _is_int(value) or not 0 <= value <= INT64_MAX:
+            raise RecordError(f"{where}.{key} must be an integer in 0..2**63-1")
+    if raw["min_version"] > raw["max_version"]:
+        raise RecordError(
+            f"{where}.min_version ({raw['min_version']}) is above max_version "
+            f"({raw['max_version']})"
+        )
+    return raw["min_version"], raw["max_version"]
+
+
+def _check_arrays(prompt: Any, completion: Any, logprobs: Any, where: str) -> None:
+    if len(prompt) == 0:
+        raise RecordError(f"{where}.prompt_ids is empty")
+    if not (_valid_ids(prompt) and _valid_ids(completion)):
+        raise RecordError(f"{where}: token ids must be integers in 0..2**31-1")
+    if not _all_finite(logprobs):
+        raise RecordError(f"{where}: logprobs must be finite numbers")
 
 
 Array = list[int] | list[float] | np.ndarray
@@ -121,13 +165,11 @@ class Sample:
 
     @classmethod
     def parse(cls, raw: Any, where: str = "sample", check_arrays: bool = True) -> Sample:
-        """A Sample from a decoded dict; RecordError naming the first bad field. Arrays that
-        came as numpy (the binary wire format) are typed by the format and not re-checked."""
+        """A Sample from a decoded dict; RecordError naming the first bad field.
+        `check_arrays=False` skips the array checks, for data the queue already checked."""
         if not isinstance(raw, dict):
             raise RecordError(f"{where} must be an object")
-        for key in ("min_version", "max_version"):
-            if not _is_int(raw.get(key)):
-                raise RecordError(f"{where}.{key} must be an integer")
+        min_version, max_version = _versions(raw, where)
         for key in ("reward", "advantage"):
             if not _is_number(raw.get(key)):
                 raise RecordError(f"{where}.{key} must be a finite number")
@@ -151,19 +193,15 @@ class Sample:
         if not _is_int(filtered) or filtered < 0:
             raise RecordError(f"{where}.filtered_groups must be a non-negative integer")
         if check_arrays:
-            ids = list(prompt) + list(completion)
-            if not all(_is_int(t) and INT32[0] <= t <= INT32[1] for t in ids):
-                raise RecordError(f"{where}: token ids must be 32-bit integers")
-            if not all(_is_number(x) for x in logprobs):
-                raise RecordError(f"{where}: logprobs must be finite numbers")
+            _check_arrays(prompt, completion, logprobs, where)
         return cls(
             prompt_ids=prompt,
             completion_ids=completion,
             logprobs=logprobs,
             reward=float(raw["reward"]),
             advantage=float(raw["advantage"]),
-            min_version=raw["min_version"],
-            max_version=raw["max_version"],
+            min_version=min_version,
+            max_version=max_version,
             env_spans=spans,
             env_metrics=dict(metrics),
             filtered_groups=filtered,
@@ -199,14 +237,18 @@ class Group:
             raise RecordError(f"{where} must be an object with a 'samples' list")
         if not raw["samples"]:
             raise RecordError(f"{where}.samples is empty")
-        for key in ("min_version", "max_version"):
-            if not _is_int(raw.get(key)):
-                raise RecordError(f"{where}.{key} must be an integer")
+        low, high = _versions(raw, where)
         samples = [
             Sample.parse(s, f"{where}.samples[{i}]", check_arrays)
             for i, s in enumerate(raw["samples"])
         ]
-        return cls(samples, raw["min_version"], raw["max_version"])
+        for i, s in enumerate(samples):
+            if not low <= s.min_version <= s.max_version <= high:
+                raise RecordError(
+                    f"{where}.samples[{i}]: versions {s.min_version}..{s.max_version} are "
+                    f"outside the group's {low}..{high}"
+                )
+        return cls(samples, low, high)
 
 
 @dataclass

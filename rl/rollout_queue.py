@@ -4,23 +4,36 @@ Scored groups are pushed by the orchestrator and persisted in SQLite (WAL, synch
 before the push is acknowledged. Step N's batch is assembled exactly once, from the oldest
 fresh groups (stale ones are dropped and counted), and recorded, so a rank that asks for the
 same step again gets the same shard. Every route but /health needs the run's bearer token.
+
+Every write is one locked transaction that commits or rolls back whole (`Store.transaction`),
+so a failed request leaves nothing behind, and the capacity check happens inside the push's
+own transaction, so concurrent pushes cannot overfill the queue. Handlers are async; anything
+that touches SQLite or walks a batch (sharding, packing, encoding) runs in a worker thread, so
+one large request never stalls the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 
 from rl import wire
 from rl.auth import bearer_guard
-from rl.records import Group, RecordError
+from rl.records import INT64_MAX, Group, RecordError
+
+MAX_WORLD = 65536
+"""Most trainer ranks a batch is sharded across; more is refused (400), not attempted."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -37,6 +50,15 @@ CREATE TABLE IF NOT EXISTS batches (batch INTEGER PRIMARY KEY);
 """
 
 
+class Refused(Enum):
+    """Why `Store.push` stored nothing."""
+
+    duplicate = "duplicate"
+    """The batch number was pushed before (a retry whose answer was lost)."""
+    full = "full"
+    """The groups would take the queue past its capacity."""
+
+
 class Store:
     """Durable group storage and batch assembly; every method is one transaction."""
 
@@ -47,33 +69,40 @@ class Store:
         self.db.executescript(SCHEMA)
         self.lock = threading.Lock()
 
-    def push(self, groups: list[Group], batch: int | None = None) -> list[int] | None:
-        """Store groups in one transaction (one fsync); returns their ids, or None when
-        `batch` was pushed before (a retried push whose answer was lost stores nothing)."""
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One locked write transaction: committed when the block ends (returns included),
+        rolled back on any error, so a failure never leaves the connection mid-transaction."""
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+
+    def push(
+        self, groups: list[Group], batch: int | None = None, capacity: int | None = None
+    ) -> list[int] | Refused:
+        """Store groups in one transaction (one fsync) and return their ids; or store nothing
+        and say why: `batch` was pushed before, or the ready groups would exceed `capacity`."""
         rows = [
             (g.min_version, g.max_version, g.tokens, wire.encode([g.to_dict()])) for g in groups
         ]
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.transaction() as db:
             if batch is not None:
-                seen = self.db.execute("SELECT 1 FROM batches WHERE batch=?", (batch,)).fetchone()
-                if seen:
-                    self.db.execute("COMMIT")
-                    return None
-                self.db.execute("INSERT INTO batches (batch) VALUES (?)", (batch,))
-            ids = [
-                int(
-                    self.db.execute(
-                        "INSERT INTO groups (min_version, max_version, tokens, payload) "
-                        "VALUES (?,?,?,?)",
-                        row,
-                    ).lastrowid
-                    or 0
-                )
-                for row in rows
-            ]
-            self.db.execute("COMMIT")
-            return ids
+                if db.execute("SELECT 1 FROM batches WHERE batch=?", (batch,)).fetchone():
+                    return Refused.duplicate
+            ready = db.execute("SELECT COUNT(*) FROM groups WHERE state='ready'").fetchone()[0]
+            if capacity is not None and ready + len(rows) > capacity:
+                return Refused.full
+            if batch is not None:
+                db.execute("INSERT INTO batches (batch) VALUES (?)", (batch,))
+            insert = (
+                "INSERT INTO groups (min_version, max_version, tokens, payload) VALUES (?,?,?,?)"
+            )
+            return [int(db.execute(insert, row).lastrowid or 0) for row in rows]
 
     def next_batch(self) -> int:
         """One past the highest batch number pushed (0 before any)."""
@@ -94,38 +123,30 @@ class Store:
 
     def assemble(self, step: int, groups: int, max_off_policy: int) -> tuple[bool, int]:
         """Assign `groups` fresh groups to `step` if enough are ready; returns (done, dropped)."""
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                assembled = self.db.execute(
-                    "SELECT COUNT(*) FROM groups WHERE state='assigned' AND step=?", (step,)
-                ).fetchone()[0]
-                if assembled:  # another rank assembled it first
-                    self.db.execute("COMMIT")
-                    return True, 0
-                cur = self.db.execute(
-                    "UPDATE groups SET state='dropped', step=? WHERE state='ready' "
-                    "AND ? - min_version > ?",
-                    (step, step, max_off_policy),
+        with self.transaction() as db:
+            assembled = db.execute(
+                "SELECT COUNT(*) FROM groups WHERE state='assigned' AND step=?", (step,)
+            ).fetchone()[0]
+            if assembled:  # another rank assembled it first
+                return True, 0
+            dropped = db.execute(
+                "UPDATE groups SET state='dropped', step=? WHERE state='ready' "
+                "AND ? - min_version > ?",
+                (step, step, max_off_policy),
+            ).rowcount
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT id FROM groups WHERE state='ready' ORDER BY id LIMIT ?", (groups,)
                 )
-                dropped = cur.rowcount
-                ids = [
-                    r[0]
-                    for r in self.db.execute(
-                        "SELECT id FROM groups WHERE state='ready' ORDER BY id LIMIT ?", (groups,)
-                    )
-                ]
-                done = len(ids) == groups
-                if done:
-                    marks = ",".join("?" * len(ids))
-                    self.db.execute(
-                        f"UPDATE groups SET state='assigned', step=? WHERE id IN ({marks})",
-                        (step, *ids),
-                    )
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+            ]
+            done = len(ids) == groups
+            if done:
+                marks = ",".join("?" * len(ids))
+                db.execute(
+                    f"UPDATE groups SET state='assigned', step=? WHERE id IN ({marks})",
+                    (step, *ids),
+                )
             return done, dropped
 
     def batch(self, step: int) -> list[dict[str, Any]]:
@@ -143,18 +164,16 @@ class Store:
 
 
 def shard(samples: list[dict[str, Any]], rank: int, world: int) -> list[dict[str, Any]]:
-    """Rank's share of the samples, balanced by tokens (longest first to the lightest rank)."""
-    loads = [0] * world
-    owner: dict[int, int] = {}
-    order = sorted(
-        range(len(samples)),
-        key=lambda i: (-(len(samples[i]["prompt_ids"]) + len(samples[i]["completion_ids"])), i),
-    )
-    for i in order:
-        target = min(range(world), key=lambda r: (loads[r], r))
-        owner[i] = target
-        loads[target] += len(samples[i]["prompt_ids"]) + len(samples[i]["completion_ids"])
-    return [samples[i] for i in range(len(samples)) if owner[i] == rank]
+    """Rank's share of the samples, balanced by tokens (longest first to the lightest rank,
+    the lowest-numbered one on ties)."""
+    loads = [(0, r) for r in range(world)]  # a heap of (tokens, rank); sorted is a valid heap
+    mine = []
+    for i in sorted(range(len(samples)), key=lambda i: (-_tokens(samples[i]), i)):
+        load, target = heapq.heappop(loads)
+        if target == rank:
+            mine.append(i)
+        heapq.heappush(loads, (load + _tokens(samples[i]), target))
+    return [samples[i] for i in sorted(mine)]
 
 
 def pack(samples: list[dict[str, Any]], max_tokens: int) -> list[list[int]]:
@@ -243,18 +262,21 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
         openapi_extra=PUSH_BODY,
         responses={413: {}, 415: {}, 422: {}, 429: {}},
     )
-    async def push(request: Request, batch: int | None = None) -> Response:
+    async def push(
+        request: Request, batch: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None
+    ) -> Response:
         body = await _read_limited(request, max_request_bytes)
+        content_type = request.headers.get("content-type", "")
         try:
-            groups = _parse_groups(body, request.headers.get("content-type", ""))
+            groups = await asyncio.to_thread(_parse_groups, body, content_type)
         except HTTPException:
             stats["rejected_bad"] += 1
             raise
-        if store.count("ready") + len(groups) > capacity:
+        ids = await asyncio.to_thread(store.push, groups, batch, capacity)
+        if ids is Refused.full:
             stats["rejected_full"] += 1
             return Response(status_code=429, headers={"Retry-After": "0.2"})
-        ids = await asyncio.to_thread(store.push, groups, batch)
-        if ids is None:
+        if ids is Refused.duplicate:
             body = json.dumps({"ids": [], "duplicate": True})
             return Response(body, media_type="application/json")
         stats["accepted"] += len(groups)
@@ -277,10 +299,12 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
     ) -> Response:
         if not 0 <= rank < world or step < 0 or micro_tokens < 1:
             raise HTTPException(400, "need step >= 0, 0 <= rank < world, micro_tokens >= 1")
+        if world > MAX_WORLD:
+            raise HTTPException(400, f"world must be at most {MAX_WORLD}, got {world}")
         t0 = time.monotonic()
         deadline = t0 + min(max(wait, 0.0), 60.0)
         while True:
-            last = store.last_step()
+            last = await asyncio.to_thread(store.last_step)
             if step > last + 1:
                 raise HTTPException(409, f"step {step} asked before step {last + 1} was assembled")
             if step <= last:
@@ -298,21 +322,12 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
                 await asyncio.wait_for(ready.wait(), timeout=remaining)
             except TimeoutError:
                 return Response(status_code=204)
-        groups = await asyncio.to_thread(store.batch, step)
-        samples = shard([s for g in groups for s in g["samples"]], rank, world)
+        binary = wire.CONTENT_TYPE in request.headers.get("accept", "")
+        reply = await asyncio.to_thread(
+            _shard_reply, store, step, rank, world, micro_tokens, binary
+        )
         stats["served"] += 1
-        meta = {
-            "step": step,
-            "groups": len(groups),
-            "dropped": store.dropped(step),
-            "depth": store.count("ready"),
-            "micro_batches": pack(samples, micro_tokens),
-        }
-        if wire.CONTENT_TYPE in request.headers.get("accept", ""):
-            body = wire.encode([{"samples": samples}], meta)
-            return Response(body, media_type=wire.CONTENT_TYPE)
-        body = json.dumps({**meta, "samples": wire.to_lists(samples)})
-        return Response(body, media_type="application/json")
+        return reply
 
     @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
     def openapi() -> dict[str, Any]:
@@ -333,6 +348,25 @@ def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: i
         }
 
     return app
+
+
+def _shard_reply(
+    store: Store, step: int, rank: int, world: int, micro_tokens: int, binary: bool
+) -> Response:
+    """Rank's shard of assembled step `step`, packed and encoded (blocking: run in a thread)."""
+    groups = store.batch(step)
+    samples = shard([s for g in groups for s in g["samples"]], rank, world)
+    meta = {
+        "step": step,
+        "groups": len(groups),
+        "dropped": store.dropped(step),
+        "depth": store.count("ready"),
+        "micro_batches": pack(samples, micro_tokens),
+    }
+    if binary:
+        return Response(wire.encode([{"samples": samples}], meta), media_type=wire.CONTENT_TYPE)
+    body = json.dumps({**meta, "samples": wire.to_lists(samples)})
+    return Response(body, media_type="application/json")
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:
@@ -368,10 +402,7 @@ def _parse_groups(body: bytes, content_type: str) -> list[Group]:
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
         raise HTTPException(422, "body must be an object with a non-empty 'groups' list")
     try:
-        return [
-            Group.parse(group, f"groups[{i}]", check_arrays=not binary)
-            for i, group in enumerate(data["groups"])
-        ]
+        return [Group.parse(group, f"groups[{i}]") for i, group in enumerate(data["groups"])]
     except RecordError as err:
         raise HTTPException(422, str(err)) from err
 

@@ -109,6 +109,15 @@ def rank_device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda", index)
 
 
+# Per-step numbers that are sums over micro-batches (and ranks).
+SUMMED_STATS = (
+    "loss",
+    "entropy",
+    "masked_fraction",
+    "clipped_fraction",
+    "mismatch_kl",
+    "ratio_mean",
+)
 # A one-token sample for a pass that contributes nothing.
 IDLE = [Sample([0], [0], [0.0], reward=0.0, advantage=0.0, min_version=0, max_version=0)]
 
@@ -272,7 +281,7 @@ class Trainer:
         algo = self.cfg.algorithm
         totals = self.batch_totals(samples)
         self.optimizer.zero_grad()
-        sums: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
+        sums = dict.fromkeys(SUMMED_STATS, 0.0)
         ratio_max, ratio_min = 0.0, float("inf")
         for k in range(self.passes(len(micro_batches))):
             idle = k >= len(micro_batches)
@@ -299,17 +308,28 @@ class Trainer:
             sums["entropy"] += float((entropy * mb["mask"]).sum()) / totals["tokens"]
             stats = loss_stats(out, logp, mb["inference_logprobs"], mb["mask"])
             for key in ("masked_fraction", "clipped_fraction", "mismatch_kl", "ratio_mean"):
-                sums[key] = sums.get(key, 0.0) + float(stats[key]) / totals["tokens"]
+                sums[key] += float(stats[key]) / totals["tokens"]
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
             ratio_min = min(ratio_min, float(stats["ratio_min"]))
         grad_norm = parallel.clip_grad_norm(self.model, algo.max_grad_norm, self.dims)
         self.optimizer.step()
-        return {
-            **sums,
-            "ratio_max": ratio_max,
-            "ratio_min": ratio_min,
-            "grad_norm": float(grad_norm),
-        }
+        return {**self.whole_batch_stats(sums, ratio_max, ratio_min), "grad_norm": float(grad_norm)}
+
+    def whole_batch_stats(
+        self, sums: dict[str, float], ratio_max: float, ratio_min: float
+    ) -> dict[str, float]:
+        """This rank's sums (each term already divided by whole-batch totals) added over the
+        ranks, and the ratio's extremes over them: the step's numbers, the same on every
+        rank. The ranks of a CP group computed the same sums, so they count once."""
+        if self.world == 1:
+            return {**sums, "ratio_max": ratio_max, "ratio_min": ratio_min}
+        added = torch.tensor([sums[key] for key in SUMMED_STATS], dtype=torch.float64)
+        dist.all_reduce(added)
+        added /= self.dims.cp
+        extremes = torch.tensor([ratio_max, -ratio_min], dtype=torch.float64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        whole = dict(zip(SUMMED_STATS, added.tolist(), strict=True))
+        return {**whole, "ratio_max": extremes[0].item(), "ratio_min": -extremes[1].item()}
 
     def publish(self, version: int) -> None:
         """Policy `version` for inference, through the configured weight transport
@@ -413,22 +433,35 @@ class Trainer:
             stats = self.train_step(batch.samples, batch.micro_batches)
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
+            whole = self.whole_batch(batch.samples)  # a collective: every rank takes part
             if self.rank == 0:  # recorded before the checkpoint that covers it
-                self.record(step, batch, stats, elapsed, t_fetch)
+                self.record(step, batch, whole, stats, elapsed, t_fetch)
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
                 self.checkpoint(step + 1)
         self.checkpoint(cfg.max_steps)
         self.log.info("done: %d steps", cfg.max_steps)
 
+    def whole_batch(self, samples: list[Sample]) -> list[Sample]:
+        """Every data-parallel rank's samples of the step, on every rank (the ranks of a CP
+        group hold the same ones: counted once), so that the step's numbers describe the whole
+        batch and not rank 0's shard."""
+        if self.world == 1:
+            return samples
+        shards: list[Any] = [None] * self.world
+        dist.all_gather_object(shards, (self.dp_rank, samples))
+        return [sample for part in dict(shards).values() for sample in part]
+
     def record(
         self,
         step: int,
         batch: BatchShard,
+        samples: list[Sample],
         stats: dict[str, float],
         elapsed: float,
         t_fetch: float,
     ) -> None:
-        samples = batch.samples
+        """Append step `step + 1`'s record: the loss numbers of this rank's `stats` (already
+        whole-batch sums), the rest from the whole batch's `samples`."""
         staleness = [step - s.min_version for s in samples]
         tokens = sum(s.tokens for s in samples)
         record = {
@@ -449,11 +482,11 @@ class Trainer:
             "queue/depth": batch.depth,
             "micro_batches": len(batch.micro_batches),
             "versions": sorted({s.min_version for s in samples}),
-            "samples": len(samples) * self.dp_world,
+            "samples": len(samples),
             "time/step": elapsed,
             "time/wait_batch": t_fetch,
-            "throughput/tokens_per_s": tokens * self.dp_world / elapsed,
-            "throughput/samples_per_s": len(samples) * self.dp_world / elapsed,
+            "throughput/tokens_per_s": tokens / elapsed,
+            "throughput/samples_per_s": len(samples) / elapsed,
             "timestamp": time.time(),
             **env_metrics(samples),
         }

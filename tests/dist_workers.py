@@ -96,9 +96,8 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         stats = trainer.train_step(mine, [list(range(len(mine)))])
+    # The trainer reports the whole batch's loss on every rank (not this rank's part).
     loss = torch.tensor([stats["loss"]])
-    dist.all_reduce(loss)  # the ranks of a CP group each hold their share's whole loss
-    loss /= trainer.dims.cp
     grads = full_gradients(trainer)
     sizes = [None] * world
     dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))

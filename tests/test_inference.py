@@ -9,8 +9,11 @@ from __future__ import annotations
 import copy
 import logging
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,9 +23,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
-from rl.inference import generate
+from rl.generation import generate
+from rl.inference import Engine, build_app
 from rl.model import (
     encode_prompt,
     ensure_checkpoint,
@@ -30,7 +35,7 @@ from rl.model import (
     load_tokenizer,
     publish_weights,
 )
-from rl.runtime import auth_headers, wait_for_address
+from rl.runtime import auth_headers, listen_socket, wait_for_address
 from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
 from rl.weights.broadcast import InferenceBroadcaster
 
@@ -193,6 +198,120 @@ def test_server_rejects_bad_requests(server: Any) -> None:
         assert resp.json()["detail"]
     missing = server.client.post("/admin/load_weights", json={"path": "/nope", "version": 3})
     assert missing.status_code == 400 and "/nope" in missing.json()["detail"]
+
+
+@pytest.mark.slow
+def test_out_of_range_seed_is_refused_and_the_engine_keeps_serving(server: Any) -> None:
+    for seed in (2**64, -1, 2**63):
+        resp = complete(server.client, prompt="ab", max_tokens=2, seed=seed)
+        assert resp.status_code == 400 and "seed" in resp.json()["detail"], (seed, resp.text)
+    assert complete(server.client, prompt="ab", max_tokens=2, seed=2**63 - 1).status_code == 200
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_out_of_vocabulary_ids_are_refused_alone(server: Any, cfg: DictConfig) -> None:
+    """Ids the model cannot embed are refused naming the id; valid requests sent alongside are
+    all served, and so is the last id the model has (which the tokenizer may not name)."""
+    rows = cfg.model.vocab_size  # the embedding's rows
+    assert complete(server.client, prompt=[[1, rows - 1]], max_tokens=2).status_code == 200
+    bad = [[99999], [[5, -3]], [rows]]
+    with ThreadPoolExecutor(12) as pool:
+        good = [pool.submit(complete, server.client, prompt=p, max_tokens=8) for p in PROMPTS * 3]
+        refused = [pool.submit(complete, server.client, prompt=p, max_tokens=8) for p in bad]
+        for future, token in zip(refused, ["99999", "-3", str(rows)], strict=True):
+            resp = future.result()
+            assert resp.status_code == 400 and token in resp.json()["detail"], resp.text
+        assert [f.result().status_code for f in good] == [200] * len(good)
+
+
+def raw_post_head(url: str, path: str, content_length: int) -> bytes:
+    """The status line of a POST that declares `content_length` bytes and sends none."""
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n"
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        return sock.recv(4096).split(b"\r\n")[0]
+
+
+@pytest.mark.slow
+def test_oversized_bodies_are_refused_before_parsing(server: Any) -> None:
+    huge = complete(server.client, prompt="a" * 10_000_000, max_tokens=2)
+    assert huge.status_code == 413 and "bytes" in huge.json()["detail"], huge.text[:200]
+    assert b" 413 " in raw_post_head(server.url, "/v1/completions", 10_000_000)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the streamed size is counted
+        yield b'{"prompt": "'
+        yield from (b"a" * 1_000_000 for _ in range(10))
+        yield b'"}'
+
+    streamed = server.client.post("/v1/completions", content=chunks())
+    assert streamed.status_code == 413, streamed.text[:200]
+    assert complete(server.client, prompt="ab", max_tokens=2).status_code == 200
+
+
+@pytest.mark.slow
+def test_health_answers_while_a_large_prompt_is_tokenized(server: Any) -> None:
+    """Allowed but slow to tokenize (refused for length afterwards): /health is not held up."""
+    large = ["ab " * 100_000] * 3
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, server.client, prompt=large, max_tokens=2)
+        answered = []
+        while not pending.done() and len(answered) < 50:
+            answered.append(httpx.get(f"{server.url}/health", timeout=30).status_code)
+        assert pending.result().status_code == 400
+    assert set(answered) <= {200}
+
+
+@pytest.mark.slow
+def test_api_description_needs_the_token(server: Any) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        assert httpx.get(f"{server.url}{path}").status_code in (401, 404), path
+    description = server.client.get("/openapi.json")
+    assert description.status_code == 200 and "/v1/completions" in description.json()["paths"]
+
+
+class CrashingEngine(Engine):
+    """An engine whose thread dies (not a per-batch error) on the first work it takes."""
+
+    def _serve(self, work: Any) -> None:
+        raise SystemExit("simulated engine crash")
+
+
+@pytest.fixture
+def crashing_server(tiny: tuple[Any, Any], cfg: DictConfig) -> Iterator[str]:
+    """build_app over a CrashingEngine, served by uvicorn on a thread at 127.0.0.1."""
+    engine = CrashingEngine(*tiny, cfg, logging.getLogger("test"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, TOKEN, 128), log_config=None))
+    sock = listen_socket("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    engine.start()
+    thread.start()
+    try:
+        for _ in range(600):
+            if server.started or not thread.is_alive():
+                break
+            time.sleep(0.05)
+        assert server.started
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_fails_health_and_requests(crashing_server: str) -> None:
+    with httpx.Client(base_url=crashing_server, headers=auth_headers(TOKEN), timeout=30) as client:
+        first = complete(client, prompt="ab", max_tokens=2)
+        assert first.status_code == 503 and "engine thread died" in first.json()["detail"]
+        for _ in range(200):  # the thread records why it died just after failing the request
+            if (health := httpx.get(f"{crashing_server}/health")).status_code == 503:
+                break
+            time.sleep(0.05)
+        assert health.status_code == 503 and "simulated engine crash" in health.json()["detail"]
+        later = complete(client, prompt="ab", max_tokens=2)
+        assert later.status_code == 503 and "simulated engine crash" in later.json()["detail"]
 
 
 @pytest.mark.slow

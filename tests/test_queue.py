@@ -252,3 +252,105 @@ def test_fuzzed_pushes_are_refused_cleanly(
         assert authorised and after == before + 1
     else:
         assert response.status_code in (401, 413, 415, 422) and after == before
+
+
+# Hostile input: values that once poisoned the queue or were stored as ready.
+
+
+def post_groups(q: SimpleNamespace, groups: list[dict], binary: bool, **params: Any) -> Any:
+    if binary:
+        headers = {"Content-Type": wire.CONTENT_TYPE}
+        return q.client.post("/push", content=wire.encode(groups), headers=headers, params=params)
+    body = json.dumps({"groups": groups})  # allows NaN, as a careless producer might send
+    headers = {"Content-Type": "application/json"}
+    return q.client.post("/push", content=body, headers=headers, params=params)
+
+
+def test_out_of_range_integers_are_refused_and_the_queue_keeps_working(queue: Any) -> None:
+    huge = 2**70
+    assert post_groups(queue, [group(0)], False, batch=huge).status_code == 422
+    assert post_groups(queue, [group(0)], False, batch=-1).status_code == 422
+    for binary in (False, True):
+        bad = group(0)
+        bad["min_version"] = bad["max_version"] = huge
+        refused = post_groups(queue, [bad], binary)
+        assert refused.status_code == 422 and "groups[0].min_version" in refused.text
+    # Nothing half-written: the queue still takes pushes and assembles a batch.
+    assert queue.client.get("/stats").json()["depth"] == 0
+    assert post_groups(queue, [group(0)] * 3, False, batch=0).status_code == 200
+    assert batch(queue, 0).status_code == 200
+
+
+def test_a_failed_store_transaction_is_rolled_back(tmp_path: Path) -> None:
+    from rl.records import Group
+    from rl.rollout_queue import Store
+
+    store = Store(tmp_path / "queue.db")
+    valid = [Group.parse(group(0))]
+    with pytest.raises(OverflowError):
+        store.push(valid, batch=2**70)  # validation is the handler's job; the store must recover
+    assert store.push(valid, batch=0) == [1]
+    assert store.assemble(0, 1, max_off_policy=2) == (True, 0)
+
+
+def poisoned(case: str) -> dict:
+    g = group(3, (2, 3))
+    sample = g["samples"][0]
+    if case == "nan_logprob":
+        sample["logprobs"][1] = float("nan")
+    elif case == "empty_prompt":
+        sample["prompt_ids"] = []
+    elif case == "negative_id":
+        sample["completion_ids"][0] = -5
+    elif case == "group_versions_reversed":
+        g["min_version"], g["max_version"] = 4, 3
+    elif case == "sample_versions_reversed":
+        sample["min_version"], sample["max_version"] = 3, 2
+    elif case == "sample_outside_group":
+        sample["min_version"] = sample["max_version"] = 7
+    return g
+
+
+POISON_NAMES = {
+    "nan_logprob": "logprobs",
+    "empty_prompt": "prompt_ids",
+    "negative_id": "token ids",
+    "group_versions_reversed": "groups[0].min_version",
+    "sample_versions_reversed": "groups[0].samples[0].min_version",
+    "sample_outside_group": "groups[0].samples[0]",
+}
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("case", sorted(POISON_NAMES))
+def test_poisoned_groups_are_refused_in_both_formats(
+    shared_queue: Any, case: str, binary: bool
+) -> None:
+    before = shared_queue.client.get("/stats").json()["depth"]
+    response = post_groups(shared_queue, [poisoned(case)], binary)
+    assert response.status_code == 422, response.text
+    assert POISON_NAMES[case] in response.json()["detail"]
+    assert shared_queue.client.get("/stats").json()["depth"] == before
+
+
+def test_token_ids_past_int32_are_refused(shared_queue: Any) -> None:
+    g = group(0)
+    g["samples"][0]["prompt_ids"] = [2**31]
+    response = post_groups(shared_queue, [g], False)
+    assert response.status_code == 422 and "token ids" in response.text
+
+
+def test_concurrent_pushes_never_exceed_capacity(queue: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(lambda _: push(queue, group(0)).status_code, range(24)))
+    assert sorted(set(codes)) == [200, 429] and codes.count(200) == 8
+    assert queue.client.get("/stats").json()["depth"] == 8
+
+
+def test_absurd_world_is_refused(queue: Any) -> None:
+    push(queue, *(group(0) for _ in range(3)))
+    response = batch(queue, 0, world=30_000_000)
+    assert response.status_code == 400 and "world" in response.text
+    assert batch(queue, 0, 1, 2).status_code == 200

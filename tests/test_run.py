@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from launcher.setup import group_alive
+from rl.records import is_train
+from rl.rollout_queue import Store
 from rl.rundir import RunDir
 from rl.testing import ROOT
 
@@ -132,6 +134,15 @@ def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path, layout: tupl
     assert (run_dir / "weights" / "step_6" / "model.safetensors").exists()
     shards = list((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
     assert len(shards) == 2  # one file per rank
+    # Each step's numbers describe the whole batch the queue assembled, not rank 0's shard.
+    store = Store(RunDir(run_dir).queue_store)
+    for record in (r for r in records if is_train(r)):
+        samples = [s for g in store.batch(record["step"] - 1) for s in g["samples"]]
+        assert record["samples"] == len(samples)
+        rewards = [float(s["reward"]) for s in samples]
+        assert record["reward/mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-9)
+        staleness = [record["step"] - 1 - s["min_version"] for s in samples]
+        assert record["off_policy/staleness_max"] == max(staleness)
 
 
 def test_broadcast_weight_transport(tmp_path: Path, cache: Path) -> None:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 import rl.model
-from rl.inference import generate
+from rl.generation import generate
 from rl.model import (
     check_matches_config,
     ensure_checkpoint,

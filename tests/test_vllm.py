@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from launcher.plan import vllm_args
 from launcher.setup import group_alive
 from rl.envs import make_environment
-from rl.inference import generate
+from rl.generation import generate
 from rl.model import (
     encode_prompt,
     ensure_checkpoint,
