@@ -29,7 +29,7 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,6 +344,3 @@ class RunDir:
 
     def submitit_folder(self, job: str) -> Path:
         return self.root / "slurm" / job
-
-    def children(self) -> Iterator[Path]:
-        yield from self.root.iterdir()
