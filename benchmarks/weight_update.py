@@ -66,10 +66,12 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
         sender = InferenceBroadcaster(run_dir, cfg, logging.getLogger("bench"))
         sender.publish(0, model)  # forms the group once, as a run's first update
         with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=600) as client:
-            for version in range(1, repeats + 1):
+            for step in range(1, repeats + 1):
                 with torch.no_grad():  # a new policy: every weight changes
                     for p in model.parameters():
                         p.mul_(0.999)
+                # Versions only grow (a server refuses an older one): odd from disk, even sent.
+                version = 2 * step - 1
                 target = layout.weights_for(version)
                 t0 = time.perf_counter()
                 publish_weights(model, tok, target)
@@ -79,7 +81,7 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
                 t2 = time.perf_counter()
                 shutil.copytree(target, root / f"copy_{cfg.model.name}_{backend}_{version}")
                 t3 = time.perf_counter()
-                sender.publish(repeats + version, model)
+                sender.publish(version + 1, model)
                 t4 = time.perf_counter()
                 publish.append(t1 - t0)
                 load.append(t2 - t1)

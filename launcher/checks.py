@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from launcher.errors import PlanError
-from rl.config import Backend
+from rl.config import Backend, ClusterKind
 from rl.derive import inference_backend
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
@@ -58,6 +58,9 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("queue.port", lambda v: 0 <= v <= MAX_PORT, f"must be 0 (any free) to {MAX_PORT}"),
     ("queue.max_request_mb", lambda v: v >= 1, "must be >= 1"),
     ("cluster.master_port", lambda v: 1 <= v <= MAX_PORT, f"must be 1 to {MAX_PORT}"),
+    # Slurm reads 0 as "no limit" and starts a negative one anyway.
+    ("cluster.time_min", lambda v: v >= 1, "must be >= 1 (minutes of wall time per job)"),
+    ("cluster.signal_delay_s", lambda v: v >= 0, "must be >= 0"),
 ]
 
 
@@ -67,6 +70,12 @@ def check_ranges(cfg: Any) -> None:
         value = _lookup(cfg, key)
         if value is not None and not valid(value):
             raise PlanError(f"{key}={value}: {what}")
+    cluster = cfg.cluster
+    if cluster.kind == ClusterKind.slurm and cluster.signal_delay_s >= cluster.time_min * 60:
+        raise PlanError(
+            f"cluster.signal_delay_s={cluster.signal_delay_s}: the checkpoint warning must come "
+            f"before the time limit, below cluster.time_min={cluster.time_min} x 60 s"
+        )
     env, queue = cfg.environment, cfg.queue
     if queue.capacity < env.prompts_per_step:
         raise PlanError(

@@ -21,6 +21,7 @@ from launcher.plan import RunPlan
 from launcher.processes import (
     FINISHING_ROLES,
     Child,
+    Liveness,
     RunFailed,
     check_children,
     expand,
@@ -30,9 +31,9 @@ from launcher.processes import (
 from launcher.report import finish_run, read_records
 from launcher.setup import prepare_run_dir
 from rl.records import is_eval, is_train
-from rl.rundir import RunDir
+from rl.rundir import RunDir, write_atomic
 
-READY_TIMEOUT_S = 600.0
+WALL_EVERY_S = 5.0  # how often the run's wall time so far is saved (for a resume's summary)
 
 
 def start_children(run_plan: RunPlan, run: RunDir, token: str) -> list[Child]:
@@ -100,29 +101,63 @@ class Progress:
         )
 
 
-def wait_ready(run_plan: RunPlan, run: RunDir, children: list[Child]) -> None:
+class Watch:
+    """What the launcher checks while the run goes on: deaths and hangs of its roles (each
+    restarted within `max_restarts`), and the run's wall time so far."""
+
+    def __init__(self, cfg: DictConfig, run: RunDir, children: list[Child]) -> None:
+        self.run, self.children, self.max_restarts = run, children, cfg.max_restarts
+        timeouts = cfg.timeouts
+        self.liveness = Liveness(run, timeouts.hung_s, timeouts.ready_s)
+        self.ready_s = timeouts.ready_s
+        self.done: set[str] = set()
+        self.t0 = time.monotonic()
+        self.before = _seconds(run.wall_time)  # earlier launches of this run (resumes)
+        self.saved = self.t0
+
+    def check(self) -> None:
+        if check_children(self.children, self.done, self.max_restarts, self.liveness):
+            record_pids(self.run, self.children)
+        if time.monotonic() - self.saved > WALL_EVERY_S:
+            self.save_wall_time()
+
+    def wall_time(self) -> float:
+        return self.before + time.monotonic() - self.t0
+
+    def save_wall_time(self) -> None:
+        write_atomic(self.run.wall_time, f"{self.wall_time():.1f}")
+        self.saved = time.monotonic()
+
+
+def _seconds(path: Path) -> float:
+    try:
+        return float(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0.0
+
+
+def wait_ready(run_plan: RunPlan, run: RunDir, watch: Watch) -> None:
+    """Wait for every server to listen; a role that dies meanwhile is restarted like later."""
     servers = ["queue"] + [p.name for p in run_plan.role("inference")]
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + watch.ready_s
     for name in servers:
         while not run.address_file(name).exists():
-            check_children(children, set())
+            watch.check()
             if time.monotonic() > deadline:
-                raise RunFailed(f"role {name} did not become ready in {READY_TIMEOUT_S:.0f} s")
+                raise RunFailed(
+                    f"role {name} did not become ready in {watch.ready_s:.0f} s (timeouts.ready_s)"
+                )
             time.sleep(0.1)
         print(f"ready: {name}", flush=True)
 
 
-def supervise(
-    cfg: DictConfig, run_plan: RunPlan, run: RunDir, children: list[Child], progress: Progress
-) -> None:
-    """Wait for the servers, then restart roles that die and show progress until the trainer
-    and orchestrator have finished."""
-    wait_ready(run_plan, run, children)
-    done: set[str] = set()
-    finishing = {c.name for c in children if c.role in FINISHING_ROLES}
-    while done != finishing:
-        if check_children(children, done, cfg.max_restarts):
-            record_pids(run, children)
+def supervise(run_plan: RunPlan, run: RunDir, watch: Watch, progress: Progress) -> None:
+    """Wait for the servers, then restart roles that die or hang and show progress until the
+    trainer and orchestrator have finished."""
+    wait_ready(run_plan, run, watch)
+    finishing = {c.name for c in watch.children if c.role in FINISHING_ROLES}
+    while watch.done != finishing:
+        watch.check()
         progress.poll()
         time.sleep(0.2)
     progress.poll()
@@ -136,26 +171,29 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
     else:
         run, token = resume, resume.token()
     print(f"run directory: {run.root}", flush=True)
-    t0 = time.monotonic()
     progress = Progress(run.metrics, cfg.max_steps)
     if resume is not None:
         progress.skip_existing()
     children = start_children(run_plan, run, token)
+    watch = Watch(cfg, run, children)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        supervise(cfg, run_plan, run, children, progress)
+        supervise(run_plan, run, watch, progress)
     except KeyboardInterrupt:
         print("interrupted: stopping every role", file=sys.stderr, flush=True)
         stop_children(children)
+        watch.save_wall_time()
         raise SystemExit(130) from None
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         stop_children(children)
+        watch.save_wall_time()
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     stop_children(children)
-    finish_run(cfg, run, read_records(run.metrics), time.monotonic() - t0)
+    watch.save_wall_time()
+    finish_run(cfg, run, read_records(run.metrics), watch.wall_time())
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

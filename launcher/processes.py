@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from rl.runtime import die_with_parent
+from rl.rundir import RunDir
+from rl.runtime import NAME_ENV, die_with_parent
 
 STOP_GRACE_S = 5.0
 # Roles whose clean exit means the run's work is done (the servers should never exit).
@@ -39,6 +40,8 @@ class Child:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
+    hung_for: float | None = None
+    """Set when the launcher killed it for showing no sign of life this many seconds."""
 
     def restart(self) -> None:
         """Start the role again with the same command (appending to its log)."""
@@ -46,6 +49,89 @@ class Child:
         again = spawn(self.name, self.role, self.argv, self.env, self.log_path)
         self.proc, self.log_file = again.proc, again.log_file
         self.restarts += 1
+        self.hung_for = None
+
+    def ended(self, code: int) -> str:
+        """How it ended, for messages: hung and killed, or exited with `code`."""
+        if self.hung_for is not None:
+            return f"hung (no sign of life for {self.hung_for:.0f} s) and was killed"
+        return f"exited with code {code}"
+
+
+class Liveness:
+    """Tells a hung role from a live one by its heartbeats (rl/runtime.py's `Heartbeat`): each
+    process of a role beats a counter into the run directory, and a role is hung once one of
+    its processes has not beaten for `hung_s` (before its first beat, for `start_s`: imports
+    and model loading come first). A stopped process (SIGSTOP), a frozen one, or a server
+    whose /health no longer answers all stop beating. Times are this watcher's own monotonic
+    clock, so clocks of other nodes do not matter."""
+
+    def __init__(self, run: RunDir, hung_s: float, start_s: float) -> None:
+        self.run, self.hung_s, self.start_s = run, hung_s, start_s
+        self.seen: dict[Path, tuple[str, float]] = {}
+        self.started: dict[str, tuple[int, float]] = {}
+        self.stopped: dict[str, float] = {}
+
+    def silence(self, child: Child) -> tuple[float, str]:
+        """Seconds `child` has shown no sign of life, and which limit applies (`hung_s`, or
+        `ready_s` before its first beat)."""
+        now = time.monotonic()
+        pid, since = self.started.get(child.name, (-1, now))
+        if pid != child.proc.pid:  # (re)started: beats of earlier processes are history
+            for path in self.run.heartbeats_of(child.name):
+                path.unlink(missing_ok=True)
+                self.seen.pop(path, None)
+            self.started[child.name] = (child.proc.pid, now)
+            return 0.0, "ready_s"
+        silent = self.stopped_for(child, now)
+        paths = self.run.heartbeats_of(child.name)
+        if not paths and not silent:
+            return now - since, "ready_s"
+        for path in paths:
+            try:
+                beat = path.read_text()
+            except FileNotFoundError:  # that process just ended
+                continue
+            last = self.seen.get(path)
+            if last is None or last[0] != beat:
+                self.seen[path] = (beat, now)
+            else:
+                silent = max(silent, now - last[1])
+        return silent, "hung_s"
+
+    def stopped_for(self, child: Child, now: float) -> float:
+        """Seconds the role's main process (torchrun, for the trainer) has been stopped
+        (SIGSTOP, state T): it runs none of Relay's code, so it has no heartbeat of its own."""
+        if not _stopped(child.proc.pid):
+            self.stopped.pop(child.name, None)
+            return 0.0
+        return now - self.stopped.setdefault(child.name, now)
+
+    def kill_if_hung(self, child: Child) -> None:
+        """SIGKILL the process group of a role that has been silent past its limit (it then
+        counts as dead, and is restarted or fails the run like any death)."""
+        silent, key = self.silence(child)
+        limit = self.hung_s if key == "hung_s" else self.start_s
+        if silent <= limit:
+            return
+        child.hung_for = silent
+        print(
+            f"role {child.name} hung: no sign of life for {silent:.1f} s "
+            f"(timeouts.{key}={limit:g}); killing it",
+            file=sys.stderr,
+            flush=True,
+        )
+        _signal_group(child, signal.SIGKILL)
+        child.proc.wait()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped by a signal (its state in /proc/<pid>/stat is T)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].startswith("T")
 
 
 def expand(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -68,7 +154,7 @@ def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: 
         stdout=log_file,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**env, "PYTHONUNBUFFERED": "1"},
+        env={**env, "PYTHONUNBUFFERED": "1", NAME_ENV: name},
         start_new_session=True,
         preexec_fn=_child_setup,
     )
@@ -118,23 +204,29 @@ def restart_or_fail(child: Child, code: int, max_restarts: int) -> None:
     if child.restarts >= max_restarts:
         after = f" after {child.restarts} restart(s)" if child.restarts else ""
         raise RunFailed(
-            f"role {child.name} exited with code {code}{after}; last lines of "
+            f"role {child.name} {child.ended(code)}{after}; last lines of "
             f"{child.log_path}:\n{tail(child.log_path)}"
         )
     print(
-        f"role {child.name} exited with code {code}: restarting it "
+        f"role {child.name} {child.ended(code)}: restarting it "
         f"({child.restarts + 1} of {max_restarts})",
         file=sys.stderr,
         flush=True,
     )
     with open(child.log_path, "ab") as log:
-        log.write(f"--- exited with code {code}; restarting ---\n".encode())
+        log.write(f"--- {child.ended(code)}; restarting ---\n".encode())
     child.restart()
 
 
-def check_children(children: list[Child], done: set[str], max_restarts: int = 0) -> bool:
-    """Restart roles that died (a server exiting at all counts), within `max_restarts` each;
-    returns whether any was restarted. Raises RunFailed for a role out of restarts.
+def check_children(
+    children: list[Child],
+    done: set[str],
+    max_restarts: int = 0,
+    liveness: Liveness | None = None,
+) -> bool:
+    """Restart roles that died (a server exiting at all counts) or hung (per `liveness`),
+    within `max_restarts` each; returns whether any was restarted. Raises RunFailed for a role
+    out of restarts.
 
     Every role found dead is named: a killed server can take its clients down with it, and the
     launcher may see both at once. Roles ended by a signal are listed first (the likely cause),
@@ -142,6 +234,8 @@ def check_children(children: list[Child], done: set[str], max_restarts: int = 0)
     """
     failed = []
     for child in children:
+        if liveness is not None and child.name not in done and child.proc.poll() is None:
+            liveness.kill_if_hung(child)
         code = child.proc.poll()
         if code is None or child.name in done:
             continue
@@ -156,7 +250,7 @@ def check_children(children: list[Child], done: set[str], max_restarts: int = 0)
     if spent:
         first = spent[0][0]
         names = "; ".join(
-            f"role {c.name} exited with code {code}"
+            f"role {c.name} {c.ended(code)}"
             + (f" after {c.restarts} restart(s)" if c.restarts else "")
             for c, code in failed
         )

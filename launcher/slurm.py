@@ -44,7 +44,8 @@ from rl.rundir import CONFIG, RunDir
 def preflight(cfg: DictConfig, run_plan: RunPlan) -> str:
     """Check the jobs against what the cluster reports; returns the partition to use."""
     part = _partition(cfg, partitions())
-    _check_jobs_fit(run_plan, part)
+    _check_time_limit(cfg, part)
+    _check_jobs_fit(cfg, run_plan, part)
     _check_account_and_qos(cfg)
     return part.name
 
@@ -69,8 +70,21 @@ def _partition(cfg: DictConfig, parts: dict[str, Partition]) -> Partition:
     return defaults[0]
 
 
-def _check_jobs_fit(run_plan: RunPlan, part: Partition) -> None:
-    """Every job fits the partition's nodes, and all of them fit it at once."""
+def _check_time_limit(cfg: DictConfig, part: Partition) -> None:
+    """`cluster.time_min` within the partition's MaxTime (Slurm would leave the jobs pending
+    forever, or shorten them, depending on the site's settings)."""
+    limit = part.max_time_min
+    if limit is not None and cfg.cluster.time_min > limit:
+        raise ConfigError(
+            f"cluster.time_min={cfg.cluster.time_min}: partition {part.name} allows at most "
+            f"{limit:g} minutes per job (its MaxTime)"
+        )
+
+
+def _check_jobs_fit(cfg: DictConfig, run_plan: RunPlan, part: Partition) -> None:
+    """Every job fits the partition's nodes, and all of them fit it at once. Errors name the
+    setting's own value; a job may ask for less (the control job is capped)."""
+    cluster = cfg.cluster
     needed = sum(job.nodes for job in run_plan.jobs)
     if needed > part.nodes:
         each = ", ".join(f"{job.name} {job.nodes}" for job in run_plan.jobs)
@@ -86,19 +100,20 @@ def _check_jobs_fit(run_plan: RunPlan, part: Partition) -> None:
             )
         if job.gpus_per_node > part.gpus:
             raise ConfigError(
-                f"cluster.gpus_per_node={job.gpus_per_node}: job {job.name} asks for "
+                f"cluster.gpus_per_node={cluster.gpus_per_node}: job {job.name} asks for "
                 f"{job.gpus_per_node} GPUs per node; partition {part.name}'s nodes have at most "
                 f"{part.gpus}"
             )
         if job.cpus_per_task > part.cpus:
             raise ConfigError(
-                f"cluster.cpus_per_node={job.cpus_per_task}: job {job.name} asks for "
+                f"cluster.cpus_per_node={cluster.cpus_per_node}: job {job.name} asks for "
                 f"{job.cpus_per_task} CPUs per node; partition {part.name}'s nodes have at most "
                 f"{part.cpus}"
             )
         if job.mem_gb * 1024 > part.mem_mb:
             raise ConfigError(
-                f"cluster.mem_gb_per_node={job.mem_gb}: job {job.name} asks for {job.mem_gb} GB "
+                f"cluster.mem_gb_per_node={cluster.mem_gb_per_node}: job {job.name} asks for "
+                f"{job.mem_gb} GB "
                 f"per node; partition {part.name}'s nodes have at most {part.mem_mb} MB"
             )
 
@@ -218,10 +233,14 @@ def format_status(run: RunDir) -> str:
 
 
 def _job_lines(ids: dict[str, str]) -> list[str]:
-    """A table of the jobs' states from the accounting database (none for no jobs)."""
+    """A table of the jobs' states (none for no jobs); when Slurm cannot say, that, and the
+    rest of the status still shows."""
     if not ids:
         return []
-    states = job_states(list(ids.values()))
+    try:
+        states = job_states(list(ids.values()))
+    except ConfigError as err:
+        return [f"  job states unavailable: {err}"]
     lines = [f"  {'job':<10} {'id':>7}  {'state':<22} {'elapsed':>9}  nodes"]
     for name, job_id in ids.items():
         s = states.get(job_id, JobState("UNKNOWN", "", "", ""))

@@ -2,9 +2,10 @@
 
 Submission from the login node (launcher/slurm.py) and each job's supervisor
 (launcher/supervisor.py) both ask Slurm the same things: what the partitions hold, each job's
-state in the accounting database, a node's address. Both also read the run's job ids and write
-why it ended. These live here, below both, and call the Slurm clients (`scontrol`, `sinfo`,
-`sacct`, `sacctmgr`, `scancel`) as a user would.
+state (from the controller, or the accounting database once the controller has forgotten
+the job), a node's address. Both also read the run's job ids and write why it ended. These
+live here, below both, and call the Slurm clients (`scontrol`, `sinfo`, `squeue`, `sacct`,
+`sacctmgr`, `scancel`) as a user would.
 """
 
 from __future__ import annotations
@@ -30,16 +31,20 @@ ENDED_BADLY = (
     "TIMEOUT",
 )
 
+SLURM_TIMEOUT_S = 60
+
 
 def slurm(*args: str, check: bool = True) -> str:
     """Run a Slurm client command; its stdout, or ConfigError with what it printed."""
     try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
     except FileNotFoundError:
         raise ConfigError(
             f"cluster=slurm: `{args[0]}` not found; submit from a Slurm login node "
             f"(nothing was started here)"
         ) from None
+    except subprocess.TimeoutExpired:  # a daemon that hangs: as good as one that is down
+        raise ConfigError(f"`{' '.join(args)}` did not answer in {SLURM_TIMEOUT_S} s") from None
     if check and done.returncode:
         message = (done.stderr or done.stdout).strip().splitlines()
         raise ConfigError(f"`{' '.join(args)}` failed: {message[-1] if message else done}")
@@ -55,6 +60,7 @@ class Partition:
     default: bool
     nodes: int
     max_nodes: int | None
+    max_time_min: float | None
     cpus: int
     mem_mb: int
     gpus: int
@@ -74,6 +80,7 @@ def partitions() -> dict[str, Partition]:
             default=fields.get("Default") == "YES",
             nodes=int(fields.get("TotalNodes", 0)),
             max_nodes=None if max_nodes == "UNLIMITED" else int(max_nodes),
+            max_time_min=minutes(fields.get("MaxTime", "UNLIMITED")),
             cpus=0,
             mem_mb=0,
             gpus=0,
@@ -87,6 +94,21 @@ def partitions() -> dict[str, Partition]:
         part.mem_mb = max(part.mem_mb, int(mem.rstrip("+")))
         part.gpus = max(part.gpus, _gpus(gres))
     return found
+
+
+def minutes(limit: str) -> float | None:
+    """A Slurm time limit in minutes (None for no limit), in any of Slurm's forms: `60`
+    (minutes), `30:00`, `1:30:00`, `2-00:00:00`, `1-12` (days-hours)."""
+    if limit in ("UNLIMITED", "INFINITE", "NONE"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    if days:  # days-hours[:minutes[:seconds]]
+        parts += [0] * (3 - len(parts))
+    elif len(parts) < 3:  # minutes[:seconds]
+        parts = [0, *parts, 0][:3] if len(parts) == 1 else [0, *parts]
+    hours, mins, secs = parts
+    return int(days or 0) * 1440 + hours * 60 + mins + secs / 60
 
 
 def _gpus(gres: str) -> int:
@@ -132,9 +154,41 @@ class JobState:
 
 
 def job_states(ids: list[str]) -> dict[str, JobState]:
-    """Each job's current state from the accounting database (a requeued job's newest run)."""
+    """Each job's current state (a requeued job's newest run); a job neither source lists yet
+    is left out.
+
+    The controller (`squeue`) is asked first: it is the truth for every job it still holds,
+    while the accounting database lags behind it (a job just submitted is not listed yet, and
+    after a slurmdbd outage finished jobs still show as running). `sacct` answers for the jobs
+    the controller has forgotten (MinJobAge after they end). ConfigError only when neither
+    answers.
+    """
     if not ids:
         return {}
+    live = _controller_states(ids)
+    rest = [job_id for job_id in ids if job_id not in (live or {})]
+    if not rest:
+        return live or {}
+    try:
+        past = _accounting_states(rest)
+    except ConfigError:
+        if live is None:
+            raise
+        past = {}
+    return {**past, **(live or {})}
+
+
+def _controller_states(ids: list[str]) -> dict[str, JobState] | None:
+    """The jobs slurmctld still holds, ended ones included; None when it does not answer."""
+    try:
+        out = slurm("squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i|%T|%N|%M|%r")
+    except ConfigError as err:
+        # squeue refuses a list of only forgotten ids; that is an answer, not an outage.
+        return {} if "Invalid job id" in str(err) else None
+    return _parse_states(out)
+
+
+def _accounting_states(ids: list[str]) -> dict[str, JobState]:
     out = slurm(
         "sacct",
         "-n",
@@ -145,9 +199,14 @@ def job_states(ids: list[str]) -> dict[str, JobState]:
         "-o",
         "JobID,State,NodeList,Elapsed,Reason",
     )
+    return _parse_states(out)
+
+
+def _parse_states(out: str) -> dict[str, JobState]:
+    """`id|state|nodes|elapsed|reason` lines, as both squeue and sacct are asked to print."""
     states = {}
     for line in out.splitlines():
-        job_id, state, nodes, elapsed, reason = line.split("|")
+        job_id, state, nodes, elapsed, reason = line.split("|", 4)
         states[job_id] = JobState(state, nodes, elapsed, reason)
     return states
 

@@ -2,12 +2,14 @@
 
 It starts its job's roles from the plan in the run directory (with the node's address, the
 trainer's rendezvous taken from the allocation), then watches three things until the run ends:
-its own roles, the other jobs of the run (through the accounting database), and the run
-directory's `failure.json`. A role that fails, or another job that ends badly, cancels the
-whole run with the reason recorded. When Slurm asks for a checkpoint (SIGUSR2 before the time
-limit, or on preemption) the trainer checkpoints at its current step and submitit requeues
-the job; the restarted trainer resumes from that checkpoint, and requeued control or
-inference jobs pick up from the queue's store.
+its own roles, the other jobs of the run (through Slurm's controller, or its accounting
+database for jobs the controller has forgotten), and the run directory's `failure.json`. A
+role that fails, or another job that ends badly, cancels the whole run with the reason
+recorded. When Slurm asks for a checkpoint (SIGUSR2 before the time limit, or on preemption)
+the trainer checkpoints at its current step and submitit requeues the job; the restarted
+trainer resumes from that checkpoint, and requeued control or inference jobs pick up from the
+queue's store. A SIGTERM (`scontrol requeue`, node loss, scancel) gets the same checkpoint,
+within Slurm's KillWait. A job with no work left is never requeued.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from launcher.errors import ConfigError
 from launcher.processes import (
     FINISHING_ROLES,
     Child,
+    Liveness,
     RunFailed,
     expand,
     restart_or_fail,
@@ -33,7 +36,7 @@ from launcher.processes import (
 )
 from launcher.report import finish_run, read_records
 from rl.rundir import RunDir
-from rl.runtime import load_run_config, setup_logging
+from rl.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
 
 POLL_S = 1.0
 PEER_POLL_S = 5.0
@@ -42,6 +45,9 @@ REQUEUABLE = ("PREEMPTED", "NODE_FAIL")
 REQUEUE_GRACE_S = 90.0
 STARTED = ("RUNNING", "COMPLETING", "COMPLETED")
 CANCEL_WAIT_S = 60.0
+# How long the trainer may take to checkpoint after a SIGTERM; Slurm's SIGKILL follows after
+# its KillWait (30 s by default), which ends the wait sooner.
+TERM_CHECKPOINT_S = 60.0
 
 
 class RunEnded(RuntimeError):
@@ -69,11 +75,26 @@ class JobRoles(submitit.helpers.Checkpointable):
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """submitit calls this on SIGUSR2 (time limit or preemption) and requeues what it
-        returns: this job, whose roles resume from the run directory when it starts again."""
+        returns: this job, whose roles resume from the run directory when it starts again.
+
+        A job with nothing left to do (the run complete or ended, or this job's part of it
+        done) is not requeued: it ends here, as it would have a moment later. (Returning None
+        would make submitit end the job FAILED, which the other jobs take for a failure.)
+        """
         supervisor = getattr(self, "_supervisor", None)
         if supervisor is not None:
             supervisor.stop_for_requeue()
+        if nothing_left(RunDir(Path(self.run_dir)), self.job):
+            raise SystemExit(0)
         return super().checkpoint(*args, **kwargs)
+
+
+def nothing_left(run: RunDir, job: str) -> bool:
+    """Whether `job` has no more work in the run: it ended, or the job's part of it is done
+    (the trainer's steps; for the other jobs, the whole run with its report)."""
+    if run.complete.exists() or run.failure.exists():
+        return True
+    return job == "trainer" and run.done("trainer").exists()
 
 
 class NodeSupervisor:
@@ -89,6 +110,8 @@ class NodeSupervisor:
         self.children: list[Child] = []
         self.stopping = False
         self.bad_since: dict[str, float] = {}
+        timeouts = self.cfg.timeouts
+        self.liveness = Liveness(rundir, timeouts.hung_s, timeouts.ready_s)
         rundir.control.mkdir(exist_ok=True)
 
     # --- start -----------------------------------------------------------------------------
@@ -116,6 +139,7 @@ class NodeSupervisor:
             "RELAY_MASTER_ADDR": slurm_cli.node_address(nodes[0]),
             "RELAY_MASTER_PORT": str(port),
             "SLURM_NODEID": str(self.node),
+            CHECKPOINT_ON_TERM_ENV: "1",
         }
 
     def start(self) -> None:
@@ -157,14 +181,17 @@ class NodeSupervisor:
         return states
 
     def wait_for_peers(self, peers: dict[str, str]) -> None:
-        """Start the roles only once every other job of the run has started."""
+        """Start the roles only once every other job of the run has started. A job Slurm does
+        not list yet (or while neither the controller nor the accounting answers) is waited
+        for like a pending one."""
         last_note = 0.0
+        unlisted = slurm_cli.JobState("not listed yet", "", "", "Slurm has no state for it")
         while True:
             states = self.check_peers(peers)
             waiting = {
-                name: states[job_id]
+                name: states.get(job_id, unlisted)
                 for name, job_id in peers.items()
-                if job_id not in states or states[job_id].state.split()[0] not in STARTED
+                if states.get(job_id, unlisted).state.split()[0] not in STARTED
             }
             if not waiting:
                 return
@@ -201,15 +228,20 @@ class NodeSupervisor:
         raise RunEnded(reason)
 
     def check_children(self) -> list[Child]:
-        """The roles that finished cleanly; a role that died is restarted, within
+        """The roles that finished cleanly; a role that died, or hung (no heartbeat for
+        `timeouts.hung_s`: launcher/processes.py's Liveness), is restarted, within
         `max_restarts`, and past that fails the run."""
         finished = []
         for child in self.children:
+            if not self.stopping and child.proc.poll() is None:
+                self.liveness.kill_if_hung(child)
             code = child.proc.poll()
             if code is None:
                 continue
-            if self.stopping or self.rundir.checkpoint_request.exists():
-                continue  # stopped for a checkpoint or by Slurm: neither done nor failed
+            if self.stopping:
+                continue  # stopped by Slurm or for a requeue: neither done nor failed
+            if child.role == "trainer" and self.checkpoint_requested():
+                continue  # it checkpointed and stopped, as asked: neither done nor failed
             if code == 0 and child.role in FINISHING_ROLES:
                 finished.append(child)
                 continue
@@ -218,6 +250,26 @@ class NodeSupervisor:
             except RunFailed as err:
                 self.fail(f"in job {self.job} ({self.job_id}): {err}", self.job)
         return finished
+
+    def checkpoint_requested(self) -> bool:
+        """Whether a checkpoint request is pending. One older than any checkpoint budget is
+        stale (whoever asked has given up) and counts for nothing: the trainer job
+        removes it, so that a trainer it restarts does not stop again at once."""
+        request = self.rundir.checkpoint_request
+        try:
+            age = time.time() - request.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age <= max(self.checkpoint_budget_s(), TERM_CHECKPOINT_S) + POLL_S:
+            return True
+        if self.job == "trainer":
+            self.log.warning("removing a stale checkpoint request (%.0f s old)", age)
+            request.unlink(missing_ok=True)
+        return False
+
+    def checkpoint_budget_s(self) -> float:
+        """How long the trainer may take to checkpoint when Slurm warns of the time limit."""
+        return max(10.0, self.cfg.cluster.signal_delay_s - 30.0)
 
     def finished(self, done: list[Child]) -> bool:
         """Whether this node's part of the run is over (and, for control, report it)."""
@@ -243,47 +295,62 @@ class NodeSupervisor:
     def run(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._terminated)
         try:
-            peers = self.peers()
-            self.wait_for_peers(peers)
-            self.start()
-            last_peer_check = time.monotonic()
-            while True:
-                self.check_failure()
-                if self.finished(self.check_children()):
-                    self.log.info("this node's part of the run is over")
-                    return
-                if time.monotonic() - last_peer_check > PEER_POLL_S:
-                    self.check_peers(peers)
-                    last_peer_check = time.monotonic()
-                time.sleep(POLL_S)
+            self.supervise()
+        except (RunEnded, SystemExit):
+            raise
+        except Exception as err:  # a supervisor bug or Slurm answering nonsense: say so
+            self.fail(f"in job {self.job} ({self.job_id}): supervisor error: {err!r}", self.job)
         finally:
             stop_children(self.children)
             signal.signal(signal.SIGTERM, previous)
 
+    def supervise(self) -> None:
+        """Wait for the other jobs, start this node's roles and watch until the run ends."""
+        peers = self.peers()
+        self.wait_for_peers(peers)
+        self.start()
+        last_peer_check = time.monotonic()
+        while True:
+            self.check_failure()
+            if self.finished(self.check_children()):
+                self.log.info("this node's part of the run is over")
+                return
+            if time.monotonic() - last_peer_check > PEER_POLL_S:
+                self.check_peers(peers)
+                last_peer_check = time.monotonic()
+            time.sleep(POLL_S)
+
     def _terminated(self, signum: int, frame: object) -> None:
-        """scancel, preemption or the time limit: Slurm signals every process of the job, so
-        the roles are ending too; that is not a role failure. The other jobs see this job's
-        state in the accounting database and record the cause."""
-        self.log.warning("SIGTERM from Slurm: this job is being cancelled or preempted")
-        self.stopping = True
+        """scancel, `scontrol requeue`, node loss, preemption or the time limit: the roles are
+        ending too; that is not a role failure. As on SIGUSR2, the trainer first checkpoints
+        the step it is on (within Slurm's KillWait), so that a requeued or resumed run redoes
+        no step. The other jobs see this job's state and record the cause."""
+        if self.stopping:
+            return
+        self.log.warning("SIGTERM from Slurm: this job is being cancelled, requeued or preempted")
+        self.checkpoint_and_stop(TERM_CHECKPOINT_S)
 
     # --- requeue ---------------------------------------------------------------------------
 
     def stop_for_requeue(self) -> None:
-        """Called by submitit on SIGUSR2: the trainer checkpoints at the step it is on; the
-        other roles keep their place in the run directory (queue store, orchestrator through
-        the queue) and just stop."""
+        """Called by submitit on SIGUSR2 (time limit or preemption)."""
+        if not self.stopping:
+            self.checkpoint_and_stop(self.checkpoint_budget_s())
+
+    def checkpoint_and_stop(self, budget: float) -> None:
+        """The trainer checkpoints at the step it is on (waited for up to `budget` seconds);
+        the other roles keep their place in the run directory (queue store, orchestrator
+        through the queue) and just stop."""
         self.stopping = True
         if self.job == "trainer" and self.children:
             self.rundir.checkpoint_request.touch()
-            budget = max(10.0, self.cfg.cluster.signal_delay_s - 30.0)
             deadline = time.monotonic() + budget
             while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
                 time.sleep(0.2)
             marker = self.rundir.checkpointed
             if marker.exists():
-                self.log.info("trainer checkpointed at step %s; requeueing", marker.read_text())
+                self.log.info("trainer checkpointed at step %s; stopping", marker.read_text())
             else:
-                self.log.warning("trainer did not checkpoint in %.0f s; requeueing", budget)
+                self.log.warning("trainer stopped without checkpointing (waited %.0f s)", budget)
         stop_children(self.children)
         self.children = []

@@ -422,6 +422,29 @@ class TrainerConfig:
 
 
 @dataclass
+class TimeoutsConfig:
+    """Deadlines: no wait in Relay is unbounded. When one passes, the waiting role fails with an
+    error naming what it waited for, and the launcher restarts it (within `max_restarts`)."""
+
+    request_s: float = 600.0
+    """One HTTP request from a role to another (a batch of completions included)."""
+    peer_s: float = 900.0
+    """A role waits this long for a peer's server to answer again (restarted, or starting)."""
+    batch_s: float = 3600.0
+    """The trainer waits this long for a step's batch from the queue."""
+    weights_s: float = 3600.0
+    """The orchestrator waits this long for the trainer to publish a weights version."""
+    collective_s: float = 1800.0
+    """torch.distributed rendezvous and collectives between trainer ranks."""
+    ready_s: float = 900.0
+    """The launcher waits this long for every server to listen after starting it."""
+    hung_s: float = 120.0
+    """A role that shows no sign of life this long is hung: its process group is killed and the
+    role restarted. Each role beats from a thread (a server only while its own /health
+    answers); a stopped or frozen process stops beating."""
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases logging."""
 
@@ -476,6 +499,8 @@ class RunConfig:
     """Trainer role settings."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Experiment tracking."""
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    """Deadlines of every wait."""
 
 
 def register() -> None:

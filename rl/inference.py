@@ -31,7 +31,7 @@ from rl.config import Backend, RunConfig
 from rl.derive import inference_backend, max_model_len
 from rl.generation import Sample, generate
 from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
-from rl.rundir import RunDir, is_complete
+from rl.rundir import RunDir
 from rl.runtime import (
     listen_socket,
     load_run_config,
@@ -39,22 +39,18 @@ from rl.runtime import (
     run_token,
     server_host,
     setup_logging,
+    start_heartbeat,
     write_address,
 )
+from rl.weights.published import check_finite, published_dir, read_checkpoint
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec, WeightReceiver
 
 
 def load_state_dict_in_place(model: Any, path: Path) -> None:
-    """Copy an HF checkpoint's safetensors into `model`; checked first, so no half-loaded model."""
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} holds no *.safetensors files")
-    state: dict[str, Any] = {}
-    for file in files:
-        state.update(load_file(file))
+    """Copy an HF checkpoint's safetensors into `model`; read and checked whole first (readable,
+    finite, matching the model), so a refused checkpoint leaves no half-loaded model."""
+    state = read_checkpoint(path)
     if not state.keys() <= model.state_dict().keys():
         # Saved in the published layout, which transformers converts on load (MoE experts are
         # stored one tensor per expert and held stacked): read it through that conversion.
@@ -220,9 +216,14 @@ class Engine:
         try:
             if job.receiver is not None:
                 self._receive(job.receiver, job.version)
+            elif job.version < self.version:  # decided here, where loads run one at a time
+                self.logger.info("kept version %d: asked for older %d", self.version, job.version)
+                job.future.set_result({"policy_version": self.version, "load_s": 0.0})
+                return
             else:
                 load_state_dict_in_place(self.model, job.path)
         except Exception as exc:  # reported to the caller; the old weights stay in place
+            self.logger.warning("refused version %d from %s: %s", job.version, source, exc)
             job.future.set_exception(exc)
             return
         self.version = job.version
@@ -236,6 +237,8 @@ class Engine:
         header = receiver.receive(state.update)
         if header["version"] != version:
             raise ValueError(f"broadcast carried version {header['version']}, not {version}")
+        for name, tensor in state.items():
+            check_finite(name, tensor, f"broadcast of version {version}")
         load_state_in_place(self.model, state, f"broadcast of version {version}")
 
     def _run_batch(self, jobs: list[CompletionJob]) -> None:
@@ -302,8 +305,10 @@ class CompletionRequest(BaseModel):
 
 
 class LoadWeightsRequest(BaseModel):
-    path: str
+    """A published version of this run; `path`, if sent, must be its `weights/step_N`."""
+
     version: int
+    path: str | None = None
 
 
 def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
@@ -419,8 +424,9 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-def build_app(engine: Engine, token: str, max_len: int) -> Any:
-    """The HTTP routes; every handler awaits the engine thread's future, never the model."""
+def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = None) -> Any:
+    """The HTTP routes; every handler awaits the engine thread's future, never the model.
+    Weights load from `run_dir`'s published versions only (none without one)."""
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -454,12 +460,10 @@ def build_app(engine: Engine, token: str, max_len: int) -> Any:
 
     @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
     async def load_weights(body: LoadWeightsRequest) -> dict:
-        path = Path(body.path)
-        if not is_complete(path):
-            raise HTTPException(400, f"path={body.path} is not a complete checkpoint (no COMPLETE)")
         try:
+            path = await asyncio.to_thread(published_dir, run_dir, body.version, body.path)
             return await asyncio.wrap_future(engine.submit(LoadJob(path, body.version)))
-        except ValueError as exc:
+        except ValueError as exc:  # RefusedWeights, or weights that do not fit the model
             raise HTTPException(400, str(exc)) from exc
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -502,7 +506,7 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
     if (newest := RunDir(run_dir).newest_version()) >= 0:
         # A restarted server: back on the newest policy before it answers anything.
         engine.submit(LoadJob(RunDir(run_dir).weights_for(newest), newest))
-    app = build_app(engine, run_token(run_dir), max_model_len(cfg))
+    app = build_app(engine, run_token(run_dir), max_model_len(cfg), run_dir)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
@@ -522,6 +526,7 @@ def main() -> None:
     cfg = load_run_config(args.run_dir)
     name = f"inference-{args.replica}"
     logger = setup_logging(name)
+    start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     if inference_backend(cfg) == Backend.vllm:
         from rl.vllm_backend import serve as serve_vllm
 

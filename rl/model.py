@@ -277,16 +277,34 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 def publish_weights(
     model: Any, tokenizer: Any, target: Path, state_dict: dict[str, Any] | None = None
 ) -> None:
-    """Write an HF-layout checkpoint (of `state_dict` when given: gathered FSDP weights); the
-    COMPLETE marker is written last, after an fsync."""
+    """Write an HF-layout checkpoint (of `state_dict` when given: gathered FSDP weights) into a
+    temporary directory renamed into place, COMPLETE written last.
+
+    Durable once this returns: every file is fsynced before COMPLETE is written (so a crash
+    cannot leave a marker over weights still in the page cache), then the directory, and after
+    the rename its parent, which holds the new name.
+    """
     _quiet_transformers()
     tmp = target.with_name(f"{target.name}.tmp")
     if state_dict is not None:
         state_dict = {_hf_name(k): v for k, v in state_dict.items()}
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    for file in sorted(tmp.rglob("*")):
+        _fsync(file)
     mark_complete(tmp, sync=True)
+    _fsync(tmp)
     tmp.rename(target)
+    _fsync(target.parent)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _hf_name(key: str) -> str:

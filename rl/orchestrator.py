@@ -24,13 +24,13 @@ import httpx
 
 from rl import wire
 from rl.advantages import ADVANTAGES
+from rl.config import TimeoutsConfig
 from rl.derive import max_model_len
 from rl.envs import Environment, Example, make_environment
 from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
 from rl.records import EvalRecord, Group, Sample, is_eval
 from rl.rundir import RunDir
 from rl.runtime import (
-    PEER_TIMEOUT_S,
     Peer,
     auth_headers,
     inference_names,
@@ -39,6 +39,7 @@ from rl.runtime import (
     role_args,
     run_token,
     setup_logging,
+    start_heartbeat,
 )
 from rl.weights.factory import make_waiter
 
@@ -54,10 +55,19 @@ class InferenceClient:
     again it is given the newest published weights before it serves rollouts.
     """
 
-    def __init__(self, run_dir: Path, names: list[str], token: str, model: str) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        names: list[str],
+        token: str,
+        model: str,
+        timeouts: TimeoutsConfig | None = None,
+    ) -> None:
         self.run_dir, self.model = run_dir, model
-        self.servers = [Peer(run_dir, name) for name in names]
-        self.http = httpx.Client(headers=auth_headers(token), timeout=httpx.Timeout(600.0))
+        timeouts = timeouts or TimeoutsConfig()
+        self.peer_s = timeouts.peer_s
+        self.servers = [Peer(run_dir, name, self.peer_s) for name in names]
+        self.http = httpx.Client(headers=auth_headers(token), timeout=timeouts.request_s)
         self.version = -1  # what every server should hold
         self.stale = [False] * len(names)  # missed a weight load while down
         self.locks = [threading.Lock() for _ in names]
@@ -69,7 +79,13 @@ class InferenceClient:
 
     def _post(self, i: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post(f"{self.servers[i].url}{route}", json=body)
-        response.raise_for_status()
+        if response.is_error:  # the server's own words say what it refused, and why
+            raise httpx.HTTPStatusError(
+                f"{self.servers[i].name} answered {response.status_code} to {route}: "
+                f"{response.text[:500]}",
+                request=response.request,
+                response=response,
+            )
         return response.json()
 
     def _revive(self, i: int) -> bool:
@@ -94,7 +110,7 @@ class InferenceClient:
         """POST to server i, or to another one while i is down; waits (bounded) when none
         answers."""
         order = [i, *(j for j in range(len(self.servers)) if j != i)]
-        deadline = time.monotonic() + PEER_TIMEOUT_S
+        deadline = time.monotonic() + self.peer_s
         while True:
             for j in order:
                 try:
@@ -107,7 +123,10 @@ class InferenceClient:
                         except httpx.TransportError:
                             pass
             if time.monotonic() > deadline:
-                raise ConnectionError(f"no inference server answered for {PEER_TIMEOUT_S:.0f} s")
+                raise ConnectionError(
+                    f"orchestrator: no inference server answered for {self.peer_s:.0f} s "
+                    "(timeouts.peer_s)"
+                )
             time.sleep(1.0)
 
     def complete(
@@ -179,7 +198,7 @@ def score_group(
     With a length penalty, each reward loses `length_penalty x tokens / max_tokens` before
     advantages are taken (the logged reward stays the environment's)."""
     completions = [completion(c) for c in choices]
-    rewards = env_map(env, lambda c: env.reward(example, c), completions)
+    rewards = env_map(env, lambda c: env.score(example, c), completions)
     extra = [env.metrics(example, c) for c in completions]
     shaped = [
         r - length_penalty * len(c["token_ids"]) / max_tokens
@@ -336,9 +355,11 @@ class Orchestrator:
         self.log = setup_logging("orchestrator")
         self.env: Environment = make_environment(cfg.environment)
         token = run_token(run_dir)
-        self.queue = Peer(run_dir, "queue")
-        self.inference = InferenceClient(run_dir, inference_names(cfg), token, cfg.model.name)
-        self.http = httpx.Client(headers=auth_headers(token), timeout=60.0)
+        self.queue = Peer(run_dir, "queue", cfg.timeouts.peer_s)
+        self.inference = InferenceClient(
+            run_dir, inference_names(cfg), token, cfg.model.name, cfg.timeouts
+        )
+        self.http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
         self.version = -1
         self.last_eval = last_eval(self.run_dir)
         self.weights = make_waiter(cfg, run_dir, self.inference, self.log)
@@ -375,7 +396,7 @@ class Orchestrator:
         t0 = time.monotonic()
         choices = self.rollouts(examples, 1, 0.0)
         scored = [(e, completion(c)) for e, c in zip(examples, choices, strict=True)]
-        rewards = [self.env.reward(e, c) for e, c in scored]
+        rewards = [self.env.score(e, c) for e, c in scored]
         exact = [self.env.exact_match(e, c) for e, c in scored]
         record = EvalRecord(
             step=self.version,
@@ -490,6 +511,7 @@ class Orchestrator:
 
 def main() -> None:
     args = role_args("orchestrator")
+    start_heartbeat(args.run_dir, load_run_config(args.run_dir).timeouts.hung_s)
     Orchestrator(args.run_dir).run()
 
 

@@ -11,7 +11,8 @@ the run's state here, on a shared filesystem on a cluster:
     summary.json, reward.png   written when the run ends
     logs/<process>.log     each process's output
     addresses/<name>.json  where a role's server listens (written once it listens)
-    queue.sqlite           the rollout queue's store
+    queue.sqlite           the rollout queue's store (and its -wal file)
+    queue.marks.json       the store's high-water marks, to detect a store that lost commits
     rollouts/samples.jsonl samples kept for inspection
     weights/step_N/        published policy versions (HF layout, COMPLETE written last)
     weights/BROADCAST      the newest version every server confirmed (broadcast transport)
@@ -221,6 +222,23 @@ class RunDir:
         info = {"host": host, "port": port, "pid": os.getpid()}
         write_atomic(self.address_file(name), json.dumps(info))
 
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / "heartbeats"
+
+    def heartbeat(self, name: str, pid: int) -> Path:
+        """The file process `pid` of role process `name` beats into (a counter)."""
+        return self.heartbeats / f"{name}.{pid}"
+
+    def heartbeats_of(self, name: str) -> list[Path]:
+        """The heartbeat files of every process of `name` (a trainer has one per rank)."""
+        return sorted(self.heartbeats.glob(f"{name}.*[0-9]"))
+
+    @property
+    def wall_time(self) -> Path:
+        """Seconds the launcher has run this run, summed over its launches (resumes)."""
+        return self.root / "wall_s"
+
     def read_address(self, name: str) -> str | None:
         """The base URL `name` last wrote, if it has written one."""
         try:
@@ -232,6 +250,10 @@ class RunDir:
     @property
     def queue_store(self) -> Path:
         return self.root / "queue.sqlite"
+
+    @property
+    def queue_marks(self) -> Path:
+        return self.root / "queue.marks.json"
 
     # --- weights ---------------------------------------------------------------------------
 

@@ -8,10 +8,12 @@ is rl/rundir.py's): a server records its address once it listens, and clients wa
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,12 +22,19 @@ import httpx
 from omegaconf import OmegaConf
 
 from rl.config import RunConfig
-from rl.rundir import RunDir
+from rl.rundir import RunDir, write_atomic
 
 TOKEN_ENV = "RELAY_TOKEN"
 # How long a role waits for a peer's server to appear, or to come back after a restart.
 PEER_TIMEOUT_S = 900.0
 HOST_ENV = "RELAY_HOST"
+# The name the launcher gave this role process (queue, inference-0, trainer-node1, ...).
+NAME_ENV = "RELAY_NAME"
+# Set by the Slurm job supervisor: SIGTERM (`scontrol requeue`, node loss, scancel) reaches the
+# trainer's ranks directly, and they checkpoint the step they are on before they stop.
+CHECKPOINT_ON_TERM_ENV = "RELAY_CHECKPOINT_ON_TERM"
+# The base URL this process serves, once it has written its address: its heartbeat asks it.
+_serving: dict[str, str] = {}
 
 
 def server_host() -> str:
@@ -93,8 +102,10 @@ def auth_headers(token: str) -> dict[str, str]:
 
 
 def write_address(run_dir: Path, name: str, host: str, port: int) -> None:
-    """Record where `name` listens; written atomically so readers never see half a file."""
+    """Record where `name` listens; written atomically so readers never see half a file. From
+    now on this process's heartbeat beats only while its /health answers."""
     RunDir(run_dir).write_address(name, host, port)
+    _serving["url"] = f"http://{host}:{port}"
 
 
 def read_address(run_dir: Path, name: str) -> str | None:
@@ -138,6 +149,56 @@ class Peer:
                     ) from err
                 time.sleep(0.5)
                 self.url = read_address(self.run_dir, self.name) or self.url
+
+
+class Heartbeat(threading.Thread):
+    """Beats a counter into `heartbeats/<name>.<pid>` every `interval` seconds, from a thread
+    of its own, so that the launcher can tell a live role from a hung one: a stopped or frozen
+    process stops beating, however long its main thread legitimately waits. A server beats only
+    while its own /health answers (ok, or starting): a blocked event loop or a failed engine
+    stops the beat too. The launcher (launcher/processes.py) kills and restarts a role whose
+    beat stops for `timeouts.hung_s`."""
+
+    def __init__(self, path: Path, interval: float, probe_timeout: float) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.path, self.interval, self.probe_timeout = path, interval, probe_timeout
+
+    def run(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.path.unlink, missing_ok=True)
+        beats = 0
+        while True:
+            if self.healthy():
+                beats += 1
+                write_atomic(self.path, str(beats))
+            time.sleep(self.interval)
+
+    def healthy(self) -> bool:
+        url = _serving.get("url")
+        if url is None:  # not serving (yet): being alive is all there is to tell
+            return True
+        try:
+            response = httpx.get(f"{url}/health", timeout=self.probe_timeout)
+        except httpx.HTTPError:
+            return False
+        if response.status_code == 200:
+            return True
+        try:
+            return response.json().get("status") == "starting"
+        except ValueError:
+            return False
+
+
+def start_heartbeat(run_dir: Path, hung_s: float) -> Heartbeat | None:
+    """Start this process's heartbeat when a launcher started it (`RELAY_NAME` set); a role
+    started alone (tests, by hand) has nobody watching and beats nothing."""
+    name = os.environ.get(NAME_ENV)
+    if not name:
+        return None
+    path = RunDir(run_dir).heartbeat(name, os.getpid())
+    beat = Heartbeat(path, interval=min(1.0, hung_s / 10), probe_timeout=max(1.0, hung_s / 4))
+    beat.start()
+    return beat
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from rl.packing import packed_logprobs
 from rl.records import BatchShard, Sample, TrainRecord, is_train
 from rl.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.runtime import (
+    CHECKPOINT_ON_TERM_ENV,
     Peer,
     auth_headers,
     die_with_parent,
@@ -37,6 +39,7 @@ from rl.runtime import (
     role_args,
     run_token,
     setup_logging,
+    start_heartbeat,
 )
 from rl.weights.factory import make_publisher
 
@@ -128,6 +131,9 @@ class Trainer:
         self.cfg = cfg = load_run_config(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = setup_logging(f"trainer-{self.rank}")
+        self.terminated = False
+        if os.environ.get(CHECKPOINT_ON_TERM_ENV):
+            signal.signal(signal.SIGTERM, self._terminated)
         torch.manual_seed(cfg.seed)
         if self.rank == 0:  # build the base model once, before the other ranks look for it
             ensure_checkpoint(cfg.model, seed=cfg.seed)
@@ -207,7 +213,9 @@ class Trainer:
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
     def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
-        """This rank's shard of step `step` (long-polls until the queue has assembled it)."""
+        """This rank's shard of step `step`: long-polls until the queue has assembled it, for
+        at most `timeouts.batch_s`, then fails saying what it waited for."""
+        deadline = time.monotonic() + self.cfg.timeouts.batch_s
         params = {
             "step": step,
             "rank": self.dp_rank,
@@ -224,6 +232,12 @@ class Trainer:
                 return BatchShard.from_wire(meta, groups[0]["samples"])
             if response.status_code != 204:
                 response.raise_for_status()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"trainer rank {self.rank}: batch {step} not assembled by the queue within "
+                    f"{self.cfg.timeouts.batch_s:g} s (timeouts.batch_s); is the orchestrator "
+                    "generating?"
+                )
 
     def batch_totals(self, samples: list[Sample]) -> dict[str, float]:
         """Whole-batch denominators (over every rank) for the loss normalisation."""
@@ -407,10 +421,19 @@ class Trainer:
         dist.broadcast(value, src=0)
         return bool(value.item())
 
+    def _terminated(self, signum: int, frame: object) -> None:
+        """SIGTERM from Slurm (directly, and again from torchrun): finish the step under way,
+        then checkpoint and stop, before Slurm's KillWait ends in SIGKILL."""
+        if not self.terminated:
+            self.log.warning("SIGTERM: checkpointing after the step under way, then stopping")
+        self.terminated = True
+
     def stop_requested(self) -> bool:
         """Whether the job supervisor asked for a checkpoint and stop (Slurm preemption or
-        time limit); every rank gets rank 0's answer, so all stop at the same step."""
-        flag = torch.tensor([float(self.run_dir.checkpoint_request.exists())])
+        time limit), or Slurm sent SIGTERM under a supervisor that wants a checkpoint first;
+        every rank gets rank 0's answer, so all stop at the same step."""
+        asked = self.terminated or self.run_dir.checkpoint_request.exists()
+        flag = torch.tensor([float(asked)])
         if self.world > 1:
             dist.broadcast(flag, src=0)
         return bool(flag.item())
@@ -418,8 +441,9 @@ class Trainer:
     def run(self) -> None:
         cfg = self.cfg
         first = self.start()
-        http = httpx.Client(headers=auth_headers(run_token(self.run_dir.root)), timeout=120.0)
-        queue = Peer(self.run_dir.root, "queue")
+        token = run_token(self.run_dir.root)
+        http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
+        queue = Peer(self.run_dir.root, "queue", cfg.timeouts.peer_s)
         for step in range(first, cfg.max_steps):
             if self.stop_requested():
                 self.checkpoint(step)
@@ -510,10 +534,13 @@ def main() -> None:
     die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         sys.exit("trainer: torchrun exited before this rank started")
+    cfg = load_run_config(args.run_dir)
+    start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     backend = "gloo"
-    if rank_device(load_run_config(args.run_dir)).type == "cuda":
+    if rank_device(cfg).type == "cuda":
         backend = "cpu:gloo,cuda:nccl"  # NCCL for GPU tensors, gloo for small CPU ones
-    dist.init_process_group(backend)
+    # Rendezvous and every collective fail after this long (a rank that hangs or dies).
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeouts.collective_s))
     try:
         Trainer(args.run_dir).run()
     finally:

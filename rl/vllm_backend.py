@@ -31,13 +31,15 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 
 import rl
 from rl.auth import bearer_guard
 from rl.config import RunConfig
 from rl.model import ensure_checkpoint, load_tokenizer
-from rl.rundir import RunDir, is_complete
+from rl.rundir import RunDir
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
+from rl.weights.published import check_checkpoint, published_dir
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec
 
@@ -60,6 +62,13 @@ class VllmProcess:
         return f"http://{HOST}:{self.port}"
 
     def start(self) -> None:
+        """Start vLLM and wait until it is healthy."""
+        self.spawn()
+        self.wait_healthy()
+
+    def spawn(self) -> None:
+        """Start vLLM's server without waiting for it. Call it from the main thread: the
+        parent-death signal fires when the forking thread exits."""
         with listen_socket(HOST, 0) as probe:  # a free port for vLLM's private server
             self.port = probe.getsockname()[1]
         # Relay's source on the path: vLLM's workers import rl.weights.sync from their own env.
@@ -80,7 +89,6 @@ class VllmProcess:
                 preexec_fn=_terminate_with_parent,
             )
         self.logger.info("started vLLM (pid %d): %s", self.proc.pid, " ".join(argv))
-        self.wait_healthy()
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -101,6 +109,15 @@ class VllmProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    async def answers(self, client: httpx.AsyncClient, timeout: float) -> bool:
+        """Whether vLLM's /health answers 200 within `timeout` (a stopped or wedged vLLM
+        is alive but does not)."""
+        try:
+            response = await client.get(f"{self.url}/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     def stop(self) -> None:
         """End vLLM's whole process group at once (server, engine core, workers)."""
@@ -172,7 +189,13 @@ class VllmFrontend:
         return result
 
     async def load_weights(self, path: Path, version: int) -> dict[str, Any]:
+        """Load published `path` as `version` once it is checked (every tensor readable and
+        finite): vLLM reloads in place, so a refusal must come before it starts. An older
+        version than the served one changes nothing (versions only grow)."""
         async with self.swap:
+            if version < self.version:
+                return {"policy_version": self.version, "load_s": 0.0}
+            await asyncio.to_thread(check_checkpoint, path)
             await self.ready.wait()
             return await self._swap_weights(path, version)
 
@@ -241,23 +264,41 @@ class VllmFrontend:
         response = await self.http.post(f"{self.vllm.url}{route}", **kwargs)
         response.raise_for_status()
 
-    async def watch(self) -> None:
-        """Restart vLLM when it dies (bounded), reloading the weights it last held."""
+    async def watch(self, hung_s: float) -> None:
+        """Restart vLLM when it dies or stops answering /health for `hung_s` (bounded),
+        reloading the weights it last held. The wait for the new vLLM runs off the event
+        loop: Relay's /health keeps answering ("starting") meanwhile."""
+        silent_since: float | None = None
         while True:
             await asyncio.sleep(1.0)
-            if self.vllm.alive():
+            if self.vllm.alive() and self.ready.is_set():
+                if await self.vllm.answers(self.http, timeout=max(1.0, hung_s / 4)):
+                    silent_since = None
+                    continue
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since < hung_s:
+                    continue
+                self.logger.warning("vLLM has not answered /health for %.0f s", hung_s)
+            elif self.vllm.alive():
                 continue
+            silent_since = None
             self.ready.clear()
             if self.vllm.restarts >= MAX_RESTARTS:
-                self.logger.error("vLLM died %d times; giving up", self.vllm.restarts + 1)
+                self.logger.error("vLLM failed %d times; giving up", self.vllm.restarts + 1)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.vllm.restarts += 1
-            self.logger.warning("vLLM died; restart %d of %d", self.vllm.restarts, MAX_RESTARTS)
-            # Started from this (main) thread, not a worker thread: the parent-death signal
-            # fires when the forking thread exits. Requests wait on `ready` meanwhile.
+            self.logger.warning("restarting vLLM (%d of %d)", self.vllm.restarts, MAX_RESTARTS)
+            # Spawned from this (main) thread: the parent-death signal fires when the forking
+            # thread exits. Requests wait on `ready` meanwhile.
             self.vllm.stop()
-            self.vllm.start()
+            self.vllm.spawn()
+            try:
+                await asyncio.to_thread(self.vllm.wait_healthy)
+            except (RuntimeError, TimeoutError):  # end the role: the launcher restarts it
+                self.logger.exception("vLLM did not come back")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             self.weight_group, self.version = None, -1  # a new vLLM: base weights, no group
             if self.weights is not None:  # back to the weights it loaded before serving again
                 async with self.swap:
@@ -265,16 +306,16 @@ class VllmFrontend:
             self.ready.set()
 
 
-def build_app(front: VllmFrontend, token: str) -> FastAPI:
+def build_app(front: VllmFrontend, token: str, run_dir: Path | None = None) -> FastAPI:
     authorized = bearer_guard(token)
 
     app = FastAPI(title="relay-inference (vllm)")
     add_routes(app, authorized, front, front.logger)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:
         if not front.ready.is_set():
-            raise HTTPException(503, "vLLM is (re)starting")
+            return JSONResponse({"status": "starting", "detail": "vLLM is restarting"}, 503)
         return {"status": "ok", "policy_version": front.version, "backend": "vllm"}
 
     @app.get("/admin/version", dependencies=[Depends(authorized)])
@@ -284,10 +325,15 @@ def build_app(front: VllmFrontend, token: str) -> FastAPI:
     @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
     async def load_weights(request: Request) -> dict:
         body = await request.json()
-        path = Path(str(body.get("path")))
-        if not is_complete(path) or not isinstance(body.get("version"), int):
-            raise HTTPException(400, "need a complete checkpoint path and an integer version")
-        return await front.load_weights(path, body["version"])
+        if not isinstance(body, dict):
+            raise HTTPException(400, "body needs a published 'version' (and optionally its 'path')")
+        try:  # only a version this run published, as the embedded engine (rl/weights/published.py)
+            path = await asyncio.to_thread(
+                published_dir, run_dir, body.get("version"), body.get("path")
+            )
+            return await front.load_weights(path, body["version"])
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from exc
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> dict:
@@ -321,7 +367,7 @@ def serve(
     front.ready.set()
     from rl.runtime import run_token
 
-    app = build_app(front, run_token(run_dir))
+    app = build_app(front, run_token(run_dir), run_dir)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -332,7 +378,7 @@ def serve(
 
     @app.on_event("startup")
     async def announce() -> None:
-        asyncio.get_running_loop().create_task(front.watch())
+        asyncio.get_running_loop().create_task(front.watch(cfg.timeouts.hung_s))
         write_address(run_dir, name, server_host(), port)
         logger.info("listening on http://%s:%d (vLLM on port %d)", server_host(), port, vllm.port)
 

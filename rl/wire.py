@@ -26,7 +26,34 @@ class WireError(ValueError):
 
 
 def encode(groups: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> bytes:
-    header_groups, ids, logprobs = [], [], []
+    samples = [s for g in groups for s in g["samples"]]
+    ids = [np.asarray(s[k], dtype="<i4") for s in samples for k in ("prompt_ids", "completion_ids")]
+    logprobs = [np.asarray(s["logprobs"], dtype="<f4") for s in samples]
+    n_ids = sum(map(len, ids))
+    arrays = np.empty(n_ids + sum(map(len, logprobs)), dtype="<i4")
+    if samples:  # written in place: one copy of the arrays, not three
+        np.concatenate(ids, out=arrays[:n_ids])
+        np.concatenate(logprobs, out=arrays[n_ids:].view("<f4"))
+    header = _header(groups, meta)
+    return b"".join([MAGIC, struct.pack("<I", len(header)), header, arrays.data])
+
+
+def reheader(data: bytes, groups: list[dict[str, Any]]) -> bytes:
+    """`data` with its header rebuilt from `groups`, its arrays kept byte for byte: a checked
+    message stored without whatever else its sender put in the header, for one copy instead of
+    a re-encoding. `groups` are `data`'s own (from `unpack`), with the arrays it decoded."""
+    (old,) = struct.unpack("<I", data[4:8])
+    arrays = memoryview(data)[8 + old :]
+    header = _header(groups, {})
+    lengths = [len(s[k]) for g in groups for s in g["samples"] for k in ARRAY_KEYS]
+    if 4 * sum(lengths) != len(arrays):
+        raise WireError(f"arrays hold {len(arrays)} bytes, the groups {4 * sum(lengths)}")
+    return b"".join([MAGIC, struct.pack("<I", len(header)), header, arrays])
+
+
+def _header(groups: list[dict[str, Any]], meta: dict[str, Any] | None) -> bytes:
+    """The JSON header: every scalar, and each sample's array lengths in place of its arrays."""
+    header_groups = []
     for group in groups:
         samples = []
         for sample in group["samples"]:
@@ -34,20 +61,26 @@ def encode(groups: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> 
             scalars["prompt_len"] = len(sample["prompt_ids"])
             scalars["completion_len"] = len(sample["completion_ids"])
             samples.append(scalars)
-            ids.append(np.asarray(sample["prompt_ids"], dtype="<i4"))
-            ids.append(np.asarray(sample["completion_ids"], dtype="<i4"))
-            logprobs.append(np.asarray(sample["logprobs"], dtype="<f4"))
         scalars = {k: v for k, v in group.items() if k != "samples"}
         header_groups.append({**scalars, "samples": samples})
-    header = json.dumps({"meta": meta or {}, "groups": header_groups}).encode()
-    id_bytes = np.concatenate(ids).tobytes() if ids else b""
-    lp_bytes = np.concatenate(logprobs).tobytes() if logprobs else b""
-    return b"".join([MAGIC, struct.pack("<I", len(header)), header, id_bytes, lp_bytes])
+    return json.dumps({"meta": meta or {}, "groups": header_groups}).encode()
 
 
 def decode(data: bytes, lists: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Groups and the meta dict; WireError on any inconsistency. Arrays come as Python lists,
     or with `lists=False` as read-only numpy views of `data` (no copy: for relaying)."""
+    groups, meta, _, _ = unpack(data)
+    if lists:
+        for sample in (s for g in groups for s in g["samples"]):
+            for key in ARRAY_KEYS:
+                sample[key] = sample[key].tolist()
+    return groups, meta
+
+
+def unpack(data: bytes) -> tuple[list[dict[str, Any]], dict[str, Any], Any, Any]:
+    """Groups (arrays as read-only numpy views of `data`), the meta dict, and the flat token-id
+    and logprob arrays those views share: one vectorised pass over every value of a message
+    checks them all, with no loop over samples. WireError on any inconsistency."""
     if len(data) < 8 or data[:4] != MAGIC:
         raise WireError("not a relay-groups message (bad magic)")
     (header_len,) = struct.unpack("<I", data[4:8])
@@ -63,13 +96,11 @@ def decode(data: bytes, lists: bool = True) -> tuple[list[dict[str, Any]], dict[
         raise WireError("lengths must be non-negative integers")
     n_ids = sum(p + c for p, c in lengths)
     n_lp = sum(c for _, c in lengths)
-    body = data[8 + header_len :]
+    body = memoryview(data)[8 + header_len :]
     if len(body) != 4 * (n_ids + n_lp):
         raise WireError(f"arrays hold {len(body)} bytes, header says {4 * (n_ids + n_lp)}")
-    ids: Any = np.frombuffer(body, dtype="<i4", count=n_ids)
-    logprobs: Any = np.frombuffer(body, dtype="<f4", offset=4 * n_ids, count=n_lp)
-    if lists:
-        ids, logprobs = ids.tolist(), logprobs.tolist()
+    ids = np.frombuffer(body, dtype="<i4", count=n_ids)
+    logprobs = np.frombuffer(body, dtype="<f4", offset=4 * n_ids, count=n_lp)
     at_id = at_lp = 0
     for group in groups:
         for sample in group["samples"]:
@@ -78,7 +109,7 @@ def decode(data: bytes, lists: bool = True) -> tuple[list[dict[str, Any]], dict[
             sample["completion_ids"] = ids[at_id + p : at_id + p + c]
             sample["logprobs"] = logprobs[at_lp : at_lp + c]
             at_id, at_lp = at_id + p + c, at_lp + c
-    return groups, meta
+    return groups, meta, ids, logprobs
 
 
 def to_lists(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ run with SmolLM2 through the launcher."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -15,9 +16,9 @@ from typing import Any
 import pytest
 
 from rl.advantages import group_mean
-from rl.envs import Example, make_environment
+from rl.envs import Environment, Example, RewardOutOfRange, make_environment
 from rl.envs.code_repair import CodeRepair
-from rl.envs.code_repair.tasks import make_task
+from rl.envs.code_repair.tasks import Task, make_task
 from rl.envs.code_repair.tools import ToolCall
 from rl.model import build_char_tokenizer
 from rl.orchestrator import run_episodes, score_group
@@ -38,8 +39,10 @@ def env() -> CodeRepair:
     return environment  # type: ignore[return-value]
 
 
-def execute(env: CodeRepair, name: str, args: dict[str, Any], files: dict[str, str]) -> Any:
-    return env.execute(ToolCall(name, args), files)
+def execute(
+    env: CodeRepair, task: Task, name: str, args: dict[str, Any], files: dict[str, str]
+) -> Any:
+    return env.execute(ToolCall(name, args), files, task)
 
 
 def call(name: str, **arguments: Any) -> str:
@@ -57,31 +60,31 @@ def test_tasks_are_reproducible_many_and_held_out() -> None:
 def test_the_fix_repairs_every_failing_test_and_the_bug_is_real(env: CodeRepair) -> None:
     for index in range(6):
         task = env.task("eval", index)
-        results = env.run_tests(dict(task.files))
+        results = env.run_tests(task, dict(task.files))
         assert isinstance(results, list) and len(results) == task.tests
         assert sum(not ok for _, ok, _ in results) == task.failing_at_start > 0
         path, bad, good = task.fix
         fixed = {**task.files, path: task.files[path].replace(bad, good)}
-        assert all(ok for _, ok, _ in env.run_tests(fixed))  # type: ignore[union-attr]
+        assert all(ok for _, ok, _ in env.run_tests(task, fixed))  # type: ignore[union-attr]
 
 
 def test_each_tool(env: CodeRepair) -> None:
     task = env.task("eval", 0)
     files = dict(task.files)
     path, bad, good = task.fix
-    listing, ok = execute(env, "list_files", {}, files)
+    listing, ok = execute(env, task, "list_files", {}, files)
     assert ok and listing.splitlines() == sorted(task.files)
-    assert execute(env, "read_file", {"path": path}, files) == (task.files[path], True)
-    text, ok = execute(env, "read_file", {"path": "../../etc/passwd"}, files)
+    assert execute(env, task, "read_file", {"path": path}, files) == (task.files[path], True)
+    text, ok = execute(env, task, "read_file", {"path": "../../etc/passwd"}, files)
     assert not ok and text.startswith("error: no file '../../etc/passwd'")
-    report, ok = execute(env, "run_tests", {}, files)
+    report, ok = execute(env, task, "run_tests", {}, files)
     assert ok and report.startswith(f"{task.tests - task.failing_at_start} passed, ")
     assert report.count("FAILED test_") == task.failing_at_start and "expected" in report
-    text, ok = execute(env, "edit_file", {"path": path, "old": "", "new": "x"}, files)
+    text, ok = execute(env, task, "edit_file", {"path": path, "old": "", "new": "x"}, files)
     assert not ok and "occurs 0 times" in text
-    text, ok = execute(env, "edit_file", {"path": path, "old": bad, "new": good}, files)
+    text, ok = execute(env, task, "edit_file", {"path": path, "old": bad, "new": good}, files)
     assert ok and files[path] == task.files[path].replace(bad, good)
-    assert execute(env, "run_tests", {}, files) == (f"{task.tests} passed, 0 failed", True)
+    assert execute(env, task, "run_tests", {}, files) == (f"{task.tests} passed, 0 failed", True)
 
 
 def test_model_code_runs_in_the_sandbox(env: CodeRepair) -> None:
@@ -89,10 +92,10 @@ def test_model_code_runs_in_the_sandbox(env: CodeRepair) -> None:
     init = next(p for p in task.files if p.endswith("__init__.py"))
     escape = Path("/tmp/relay-code-repair-escape")
     files = {**task.files, init: f"open({str(escape)!r}, 'w').write('x')\n"}
-    report, _ = execute(env, "run_tests", {}, files)
+    report, _ = execute(env, task, "run_tests", {}, files)
     assert "Read-only file system" in report and not escape.exists()
     files = {**task.files, init: "while True:\n    pass\n"}
-    assert execute(env, "run_tests", {}, files)[0].startswith("error: the tests were stopped")
+    assert execute(env, task, "run_tests", {}, files)[0].startswith("error: the tests were stopped")
 
 
 def test_reward_counts_fixed_tests_not_edited_tests(env: CodeRepair) -> None:
@@ -108,6 +111,72 @@ def test_reward_counts_fixed_tests_not_edited_tests(env: CodeRepair) -> None:
     assert env.reward(example, [fix]) == 1.0 and env.exact_match(example, [fix])
     breaks_one = call("edit_file", path=path, old=good.split("\n")[1], new="    return None")
     assert env.reward(example, [fix, breaks_one]) == 0.0
+
+
+def init_edit(task: Task, code: str) -> str:
+    """An edit_file call that appends `code` to the package's `__init__.py`."""
+    path = next(p for p in task.files if p.endswith("__init__.py"))
+    first = task.files[path].splitlines()[0]
+    return call("edit_file", path=path, old=first, new=f"{first}\n{code}")
+
+
+def test_the_package_cannot_forge_test_results(env: CodeRepair) -> None:
+    example = env.eval_examples()[2]
+    task = env.task("eval", 2)
+    fake = json.dumps([[f"test_fake_{i}", True, ""] for i in range(48)])
+    claim = json.dumps({test: ["returned", repr(want)] for test, _, want in task.cases})
+    forgeries = [
+        # A results line on stdout, printed after the runner's own (what the runner once read).
+        f"import atexit\natexit.register(print, '@@relay-test-results@@' + {fake!r})",
+        # A report of the package's own on the runner's channel, with every expected value.
+        f"import os\nos.write(3, {claim!r}.encode())",
+        # Results equal to anything: `==` is never asked of the package's objects.
+        "class _Equal:\n    def __eq__(self, other):\n        return True\n"
+        + "".join(f"{name} = lambda *a, **k: _Equal()\n" for name in _function_names(task)),
+    ]
+    for code in forgeries:
+        edit = init_edit(task, code)
+        assert env.reward(example, [edit]) == 0.0, code
+        assert not env.exact_match(example, [edit])
+        assert 0.0 <= env.score(example, [edit]) <= 1.0
+
+
+def _function_names(task: Task) -> list[str]:
+    return sorted({call.split("(")[0] for _, call, _ in task.cases})
+
+
+def test_a_reward_outside_the_declared_range_is_an_error(env: CodeRepair) -> None:
+    class Broken(Environment):
+        name = "broken"
+        reward_range = (0.0, 1.0)
+
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def train_examples(self) -> list[Example]:
+            return []
+
+        eval_examples = train_examples
+
+        def reward(self, example: Example, completion: Any) -> float:
+            return self.value
+
+        def exact_match(self, example: Example, completion: Any) -> bool:
+            return False
+
+    example = Example("p", "a")
+    assert Broken(0.25).score(example, "c") == 0.25
+    assert Broken(1.0 + 1e-12).score(example, "c") == 1.0  # float rounding is clamped
+    for value in (48.0, -0.5, float("nan"), float("inf")):
+        with pytest.raises(RewardOutOfRange, match=r"environment broken: reward .* \[0, 1\]"):
+            Broken(value).score(example, "c")
+    unbounded = Broken(-7.5)
+    unbounded.reward_range = (-math.inf, math.inf)  # a range no one can know: finite is all
+    assert unbounded.score(example, "c") == -7.5
+    unbounded.value = math.nan
+    with pytest.raises(RewardOutOfRange):
+        unbounded.score(example, "c")
+    assert env.reward_range == (0.0, 1.0)
 
 
 def test_call_bonus_rewards_well_formed_calls_only_when_nothing_was_fixed(

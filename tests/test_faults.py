@@ -1,15 +1,19 @@
-"""Fault tolerance through the real launcher: kill -9 each role once, in turn, during a short run.
+"""Fault tolerance through the real launcher: kill -9 each role once, then stop each one
+(SIGSTOP: a hung process) once, in turn, during one short run.
 
-The launcher restarts the role (the queue from its SQLite store, the orchestrator from the
-batches the queue holds, the trainer from its last checkpoint, inference with the newest
-weights), and the run completes with every step trained exactly once and a final eval in the
-range of an undisturbed run. An interrupted run continues with `rl resume=<run dir>`.
+The launcher restarts a dead role at once and a hung one once it has shown no sign of life for
+`timeouts.hung_s` (the queue from its SQLite store, the orchestrator from the batches the queue
+holds, the trainer from its last checkpoint, inference with the newest weights), and the run
+completes with every step trained exactly once and a final eval in the range of an undisturbed
+run. A role that dies while the run starts is restarted too. An interrupted run continues with
+`rl resume=<run dir>`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from rl.rundir import RunDir
 from rl.testing import ROOT
 from tests.faults import KillAtStep, KillInTurn, trained_steps
 from tests.test_run import assert_no_process_left
@@ -25,12 +30,20 @@ from tests.test_run import assert_no_process_left
 pytestmark = pytest.mark.slow
 
 STEPS = 60
+HUNG_S = 10
 # Checkpoints every 20 steps: a trainer killed after step 20 resumes from step 20 and trains
 # steps 21.. again from the same batches.
 RUN = [f"max_steps={STEPS}", "trainer.checkpoint_every=20", "environment.eval_every=30"]
-# Each role is killed once, in turn, in one run; the trainer after step 32 resumes from its
-# checkpoint at step 20.
-KILLS = [("queue", 8), ("inference-0", 16), ("orchestrator", 24), ("trainer", 32)]
+ROLES = ["queue", "inference-0", "orchestrator", "trainer"]
+# Each role is killed once, then stopped once, in turn, in one run; the trainer killed after
+# step 22 resumes from its checkpoint at step 20, the one stopped after step 46 from step 40.
+KILL, STOP = signal.SIGKILL, signal.SIGSTOP
+KILLS = [
+    ("queue", 5, KILL), ("inference-0", 10, KILL),
+    ("orchestrator", 15, KILL), ("trainer", 22, KILL),
+    ("queue", 28, STOP), ("inference-0", 34, STOP),
+    ("orchestrator", 40, STOP), ("trainer", 46, STOP),
+]  # fmt: skip
 # Final exact match of a disturbed run against the undisturbed one, on 200 held-out words:
 # seeds and the timing of asynchronous generation already move it by about this much.
 EVAL_RANGE = 0.15
@@ -76,24 +89,36 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> float:
     return final_eval(run_dir)
 
 
-def test_run_survives_kill_9_of_each_role_in_turn(
+def test_run_survives_kill_9_and_a_hang_of_each_role_in_turn(
     tmp_path: Path, cache: Path, undisturbed: float
 ) -> None:
     run_dir = tmp_path / "run"
     killer = KillInTurn(run_dir, KILLS)
     killer.start()
     out = subprocess.run(
-        rl(run_dir, cache), cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900
-    )
+        rl(run_dir, cache, f"timeouts.hung_s={HUNG_S}"),
+        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
     killer.stopped.set()
-    assert list(killer.killed) == [role for role, _ in KILLS], (killer.killed, out.stderr[-3000:])
+    done = [(role, sig) for role, sig, _ in killer.killed]
+    assert done == [(role, sig) for role, _, sig in KILLS], (done, out.stderr[-3000:])
     assert out.returncode == 0, out.stderr[-3000:]
-    for role, _ in KILLS:
+    for role in ROLES:
         assert f"role {role} exited with code -9: restarting it (1 of 3)" in out.stderr, role
+        # The hang is named, with how long the role was silent: past the deadline, not long.
+        hung = re.search(
+            rf"role {role} hung: no sign of life for ([\d.]+) s \(timeouts.hung_s={HUNG_S}\)",
+            out.stderr,
+        )
+        assert hung, (role, out.stderr[-3000:])
+        assert HUNG_S <= float(hung.group(1)) < HUNG_S + 5, (role, hung.group(0))
+        assert f"role {role} hung (no sign of life for" in out.stderr, role
+        assert "restarting it (2 of 3)" in out.stderr
         log = (run_dir / "logs" / f"{role}.log").read_text()
         assert "--- exited with code -9; restarting ---" in log, role
+        assert "--- hung (no sign of life for" in log, role
     trainer = (run_dir / "logs" / "trainer.log").read_text()
-    assert "resumed from" in trainer and "continuing at step 21" in trainer
+    assert "continuing at step 21" in trainer and "continuing at step 41" in trainer
     orchestrator = (run_dir / "logs" / "orchestrator.log").read_text()
     assert "resuming: the queue holds batches" in orchestrator
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
@@ -142,11 +167,15 @@ def test_interrupted_run_resumes_with_continuous_history(tmp_path: Path, cache: 
         cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert refused.returncode == 2 and "takes no other overrides" in refused.stderr
+    t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "launcher.cli", f"resume={run_dir}"],
         cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
+    resumed_s = time.monotonic() - t0
     assert out.returncode == 0, out.stderr[-3000:]
+    # The run's wall time counts both launches, not only the resumed one.
+    assert json.loads((run_dir / "summary.json").read_text())["wall_s"] > resumed_s
     assert f"run directory: {run_dir}" in out.stdout
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
     evals = [
@@ -156,4 +185,31 @@ def test_interrupted_run_resumes_with_continuous_history(tmp_path: Path, cache: 
     ]
     assert evals == [0, 30, 60]  # each version evaluated once, across both launches
     assert (run_dir / "summary.json").exists()
+    assert_no_process_left(run_dir)
+
+
+def test_a_role_that_dies_while_the_run_starts_is_restarted(tmp_path: Path, cache: Path) -> None:
+    """Start-up is supervised like the rest of the run: inference killed before it listens is
+    restarted (within max_restarts), and the run goes on to train."""
+    run_dir = tmp_path / "run"
+    launcher = start(run_dir, cache)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "pids.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.02)
+        assert not RunDir(run_dir).address_file("inference-0").exists()
+        os.killpg(json.loads((run_dir / "pids.json").read_text())["inference-0"], signal.SIGKILL)
+        deadline = time.monotonic() + 600
+        while not trained_steps(run_dir):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert "role inference-0 exited with code -9: restarting it (1 of 3)" in stderr
+    assert launcher.returncode == 130  # stopped by the test, not by the death
     assert_no_process_left(run_dir)

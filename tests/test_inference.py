@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import signal
 import socket
 import subprocess
@@ -345,11 +346,20 @@ def load_version(client: httpx.Client, path: Path, version: int) -> dict:
     return resp.json()
 
 
+def publish_as(server: Any, source: Path, version: int) -> Path:
+    """`source` (a complete checkpoint) published as `version` of the server's run: a server
+    loads only its run's published versions, and never an older one than it serves."""
+    target = server.run_dir / "weights" / f"step_{version}"
+    if not target.exists():
+        shutil.copytree(source, target)
+    return target
+
+
 @pytest.mark.slow
 def test_server_weight_swap(server: Any, checkpoint: Path, step_1: Path) -> None:
     """Loading version 0 (base weights) and then changed weights changes the outputs."""
     greedy = {"prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "logprobs": 1}
-    assert load_version(server.client, checkpoint, 0)["policy_version"] == 0
+    assert load_version(server.client, publish_as(server, checkpoint, 0), 0)["policy_version"] == 0
     before = complete(server.client, **greedy).json()
     assert before["policy_version"] == 0
     loaded = load_version(server.client, step_1, 1)
@@ -366,22 +376,23 @@ def test_swaps_under_load_report_the_version_used(
     server: Any, checkpoint: Path, step_1: Path
 ) -> None:
     """Weights swapped while requests stream: each answer is exactly its reported version's."""
-    paths = {0: checkpoint, 1: step_1}
+    # Versions only grow: even ones hold the base weights, odd ones step_1's.
+    paths = {v: publish_as(server, (checkpoint, step_1)[v % 2], v) for v in range(10, 18)}
     greedy = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0}
     expected = {}
-    for version, path in paths.items():
-        load_version(server.client, path, version)
-        expected[version] = complete(server.client, **greedy).json()["choices"][0]["token_ids"]
+    for version in (10, 11):
+        load_version(server.client, paths[version], version)
+        expected[version % 2] = complete(server.client, **greedy).json()["choices"][0]["token_ids"]
     assert expected[0] != expected[1]
 
     with ThreadPoolExecutor(16) as pool:
         pending = [pool.submit(complete, server.client, **greedy) for _ in range(48)]
-        for i in range(6):
-            load_version(server.client, paths[i % 2], i % 2)
+        for version in range(12, 18):
+            load_version(server.client, paths[version], version)
         bodies = [f.result().json() for f in pending]
     for body in bodies:
-        assert body["choices"][0]["token_ids"] == expected[body["policy_version"]]
-    assert {b["policy_version"] for b in bodies} <= {0, 1}
+        assert body["choices"][0]["token_ids"] == expected[body["policy_version"] % 2]
+    assert {b["policy_version"] for b in bodies} <= set(range(11, 18))
 
 
 def broadcaster(cfg: DictConfig, run_dir: Path, timeout_s: float = 60) -> InferenceBroadcaster:
@@ -397,22 +408,22 @@ def test_broadcast_serves_what_the_same_weights_from_disk_serve(
     """The trainer's side against the real server: greedy outputs after a broadcast equal those
     after loading the same weights from disk, and the version advances."""
     greedy = {"prompt": PROMPTS, "max_tokens": 16, "temperature": 0}
-    load_version(server.client, step_1, 1)
+    load_version(server.client, publish_as(server, step_1, 20), 20)
     from_disk = complete(server.client, **greedy).json()
-    load_version(server.client, checkpoint, 0)
+    load_version(server.client, publish_as(server, checkpoint, 21), 21)
     base = complete(server.client, **greedy).json()["choices"]
     sender = broadcaster(cfg, server.run_dir)
-    sender.publish(2, load_model(step_1))
-    assert server.client.get("/admin/version").json() == {"policy_version": 2}
+    sender.publish(22, load_model(step_1))
+    assert server.client.get("/admin/version").json() == {"policy_version": 22}
     after = complete(server.client, **greedy).json()
-    assert after["policy_version"] == 2
+    assert after["policy_version"] == 22
     assert after["choices"] == from_disk["choices"] != base
-    assert (server.run_dir / "weights" / "BROADCAST").read_text() == "2"
+    assert (server.run_dir / "weights" / "BROADCAST").read_text() == "22"
     group = server.client.get("/admin/weights/broadcast").json()["group"]
-    sender.publish(3, load_model(checkpoint))  # the same group, base weights
+    sender.publish(23, load_model(checkpoint))  # the same group, base weights
     assert complete(server.client, **greedy).json()["choices"] == base
     status = server.client.get("/admin/weights/broadcast").json()
-    assert status == {"policy_version": 3, "receivers": 1, "group": group, "busy": False,
+    assert status == {"policy_version": 23, "receivers": 1, "group": group, "busy": False,
                       "error": None}  # fmt: skip
 
 

@@ -264,6 +264,8 @@ def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:
         ("algorithm.max_off_policy_steps=-1", "algorithm.max_off_policy_steps=-1: must be >= 0"),
         ("queue.capacity=0", "queue.capacity=0: must hold at least one step's"),
         ("cluster.master_port=0", "cluster.master_port=0: must be 1 to 65535"),
+        ("cluster.time_min=0", "cluster.time_min=0: must be >= 1"),
+        ("cluster.time_min=-5", "cluster.time_min=-5: must be >= 1"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_name(override: str, message: str) -> None:
@@ -271,4 +273,24 @@ def test_settings_that_cannot_work_are_refused_by_name(override: str, message: s
     to the end with nonsense, fail in the plan, naming the key."""
     with pytest.raises(PlanError) as err:
         plan(compose_run(override))
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["cluster.time_min=0"], "cluster.time_min=0: must be >= 1"),
+        (["cluster.signal_delay_s=-1"], "cluster.signal_delay_s=-1: must be >= 0"),
+        (
+            ["cluster.time_min=2", "cluster.signal_delay_s=120"],
+            "cluster.signal_delay_s=120: the checkpoint warning must come before the time "
+            "limit, below cluster.time_min=2 x 60 s",
+        ),
+    ],
+)
+def test_slurm_time_limits_are_refused_by_name(overrides: list[str], message: str) -> None:
+    """An unlimited or negative time limit, or a checkpoint warning that would come after it,
+    is refused before anything is submitted."""
+    with pytest.raises(PlanError) as err:
+        plan(compose_run("cluster=slurm_cpu", *overrides))
     assert str(err.value).startswith(message)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rl import wire
 from rl.rollout_queue import pack, shard
 from rl.runtime import auth_headers, wait_for_address
+from rl.testing import TOKEN as RL_TESTING_TOKEN
 from rl.testing import compose_run, start_role, stop_role, write_run_dir
 
 TOKEN = "queue-test-token"
@@ -354,3 +355,109 @@ def test_absurd_world_is_refused(queue: Any) -> None:
     response = batch(queue, 0, world=30_000_000)
     assert response.status_code == 400 and "world" in response.text
     assert batch(queue, 0, 1, 2).status_code == 200
+
+
+@pytest.mark.parametrize("wait", ["nan", "inf", "-inf", "-1", "61"])
+def test_wait_must_be_a_finite_bounded_number(shared_queue: Any, wait: str) -> None:
+    params = {"step": 0, "wait": wait}
+    response = shared_queue.client.get("/batch", params=params)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["query", "wait"]
+
+
+# The store's high-water marks: a store that lost committed transactions refuses to start.
+
+
+def hot_copy(store_path: Path, marks: Path, into: Path) -> tuple[Path, Path]:
+    """Copy a live store (database, -wal) and its marks, as a crash would leave them."""
+    into.mkdir()
+    for suffix in ("", "-wal"):
+        source = store_path.with_name(store_path.name + suffix)
+        (into / source.name).write_bytes(source.read_bytes())
+    (into / marks.name).write_bytes(marks.read_bytes())
+    return into / store_path.name, into / marks.name
+
+
+def corrupt_frame(wal: Path, frame: int) -> None:
+    """Flip a byte in the page of WAL frame `frame` (its checksum no longer matches)."""
+    from rl.rollout_queue import PAGE_BYTES
+
+    data = bytearray(wal.read_bytes())
+    at = 32 + frame * (24 + PAGE_BYTES) + 24 + 100
+    data[at] ^= 0xFF
+    wal.write_bytes(bytes(data))
+
+
+def test_a_store_that_lost_commits_refuses_to_start(tmp_path: Path) -> None:
+    from rl.records import Group
+    from rl.rollout_queue import PAGE_BYTES, Store, StoreLost
+    from rl.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    store = Store(run.queue_store, run.queue_marks)
+    for step in range(6):  # one transaction per push and per assembly, all in the WAL
+        assert store.push([Group.parse(group(step))] * 2, batch=step) == [
+            2 * step + 1,
+            2 * step + 2,
+        ]
+        assert store.assemble(step, 2, max_off_policy=2) == (True, 0)
+    wal = run.queue_store.with_name(run.queue_store.name + "-wal")
+    frames = (wal.stat().st_size - 32) // (24 + PAGE_BYTES)
+    # Intact, a copy reopens with every mark.
+    intact, intact_marks = hot_copy(run.queue_store, run.queue_marks, tmp_path / "intact")
+    assert Store(intact, intact_marks).last_step() == 5
+    # A bad frame in the middle: SQLite silently keeps only the transactions before it.
+    damaged, damaged_marks = hot_copy(run.queue_store, run.queue_marks, tmp_path / "damaged")
+    corrupt_frame(damaged.with_name(damaged.name + "-wal"), frames // 2)
+    held = Store(damaged).last_step()  # without marks, nothing notices
+    assert held < 5
+    with pytest.raises(StoreLost) as refused:
+        Store(damaged, damaged_marks)
+    message = str(refused.value)
+    assert str(damaged) in message and f"assembled steps {held + 1}..5" in message
+    assert str(damaged_marks) in message  # and how to go on anyway
+    # Deleting the marks accepts the loss: the store starts from what it holds.
+    damaged_marks.unlink()
+    assert Store(damaged, damaged_marks).last_step() == held
+
+
+def test_many_producers_and_ranks_lose_and_repeat_nothing(tmp_path: Path) -> None:
+    """benchmarks/queue_load.py at a small scale: 4 producers push whole steps (each resends
+    one, as after a lost answer) while 8 ranks pull every step."""
+    import numpy as np
+
+    from benchmarks.queue_load import Shape, make_push, problems, run_load, served_pairs
+    from benchmarks.queue_load import start_queue as start_loaded_queue
+
+    shape = Shape(prompts=4, group_size=3, prompt_tokens=5, completion_tokens=7)
+    producers, ranks, steps = 4, 8, 8
+    rng = np.random.default_rng(0)
+    bodies = [
+        [(n, make_push(n, shape, rng)) for n in range(p, steps, producers)]
+        for p in range(producers)
+    ]
+    proc, url = start_loaded_queue(tmp_path, shape, steps * shape.prompts)
+    try:
+        load = run_load(url, bodies, ranks, steps, timeout_s=120)
+        with httpx.Client(base_url=url, headers=auth_headers(RL_TESTING_TOKEN)) as client:
+            again = {
+                (step, rank): served_pairs(
+                    client.get(
+                        "/batch",
+                        params={"step": step, "rank": rank, "world": ranks, "wait": 0},
+                        headers={"Accept": wire.CONTENT_TYPE},
+                    ).content
+                )
+                for step in (0, steps - 1)
+                for rank in range(ranks)
+            }
+    finally:
+        stop_role(proc)
+    assert problems(load, shape, ranks, steps) == []
+    assert load.duplicates_refused == producers
+    assert all(load.served[key] == pairs for key, pairs in again.items())  # deterministic shards
+    sizes = {len(pairs) for pairs in load.served.values()}  # equal samples: counts within 1
+    assert max(sizes) - min(sizes) <= 1 and sum(len(p) for p in load.served.values()) == (
+        steps * shape.prompts * shape.group_size
+    )

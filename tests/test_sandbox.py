@@ -40,10 +40,18 @@ def workdir(tmp_path: Path) -> Path:
     return work
 
 
-def test_a_normal_run_writes_in_its_directory_and_reports_output(workdir: Path) -> None:
-    result = run_python(workdir, "open('out.txt', 'w').write('hi'); print('done'); exit(3)")
-    assert (result.returncode, result.stdout, result.timed_out) == (3, "done\n", False)
-    assert (workdir / "out.txt").read_text() == "hi"
+def test_a_normal_run_writes_in_a_copy_of_its_directory_and_reports_output(
+    workdir: Path,
+) -> None:
+    (workdir / "data.txt").write_text("given")
+    code = (
+        "open('out.txt', 'w').write('hi'); print(open('data.txt').read(), open('out.txt').read())"
+        "\nimport os; os.write(3, b'report'); exit(3)"
+    )
+    result = run_python(workdir, code)
+    assert (result.returncode, result.stdout, result.timed_out) == (3, "given hi\n", False)
+    assert result.channel == "report"
+    assert not (workdir / "out.txt").exists()  # the caller's directory is only read
 
 
 def test_the_run_sees_only_its_own_processes(workdir: Path) -> None:
@@ -134,10 +142,14 @@ def test_socket_connect_fails_and_reaches_nobody(workdir: Path) -> None:
 
 
 def test_a_huge_file_is_cut_by_the_file_size_limit(workdir: Path) -> None:
-    code = "open('big', 'wb').write(b'x' * (64 * 1024 * 1024))"
+    code = (
+        "import os\ntry:\n    open('big', 'wb').write(b'x' * (64 * 1024 * 1024))\n"
+        "except OSError as err:\n    print('refused', err.strerror)\n"
+        "print(os.path.getsize('big'))\n"
+    )
     result = run_python(workdir, code, sandbox.Limits(file_mb=1))
-    assert result.returncode != 0
-    assert (workdir / "big").stat().st_size <= 1024 * 1024
+    assert result.stdout.startswith("refused File too large"), result
+    assert int(result.stdout.split()[-1]) <= 1024 * 1024
     assert_unharmed(workdir)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from launcher import slurm_cli
+from launcher.processes import spawn, stop_children
 from launcher.report import read_records
 from rl.records import is_eval, is_train
 from rl.rundir import RunDir
@@ -90,13 +92,18 @@ def steps_so_far(run_dir: Path) -> list[int]:
     return train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else []
 
 
-def requeue(job_id: str) -> None:
+def requeue(job_id: str, sigterm: bool = False) -> None:
     """Send what Slurm sends before the time limit (--signal=USR2@...) and a preemption test
-    sends, and wait until the job is requeued; Slurm then holds it back for a while
+    sends, or with `sigterm` requeue the job as an administrator does (`scontrol requeue`:
+    SIGTERM to every process of the job, as node loss and scancel), and wait until the job is
+    requeued; Slurm then holds it back for a while
     (BeginTime), so let it start again soon. Not in the same second: a node refuses a job whose
     credential is not newer than its revocation of the job's previous run, which it counts in
     whole seconds ("Job credential revoked", and the job FAILS)."""
-    slurm_cli.slurm("scancel", "--signal=USR2", job_id)
+    if sigterm:
+        slurm_cli.slurm("scontrol", "requeue", job_id)
+    else:
+        slurm_cli.slurm("scancel", "--signal=USR2", job_id)
     wait_until(
         lambda: slurm_cli.job_states([job_id])[job_id].state == "PENDING",
         120,
@@ -152,7 +159,8 @@ def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
 
 @needs_slurm
 def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
-    """The trainer job, then the control job, are told to stop and requeued in one run."""
+    """The trainer job, then the control job, are told to stop and requeued in one run; then
+    the trainer job is requeued with SIGTERM, no warning."""
     # No periodic checkpoints: the one the trainer resumes from is the one it wrote when told.
     run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60", "trainer.checkpoint_every=0"))
     ids = slurm_cli.read_jobs(RunDir(run_dir))
@@ -162,13 +170,16 @@ def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
     wait_until(lambda: "continuing at step" in log_path.read_text(), 300, "the trainer to resume")
     wait_until(lambda: len(steps_so_far(run_dir)) >= 30, 300, "30 trainer steps")
     requeue(ids["control"])
+    wait_until(lambda: len(steps_so_far(run_dir)) >= 40, 300, "40 trainer steps")
+    requeue(ids["trainer"], sigterm=True)
     states = final_states(run_dir)
     assert {s.state for s in states.values()} == {"COMPLETED"}, states
     log = log_path.read_text()
-    stopped = int(log.split("checkpointed at step ")[1].split()[0])
-    assert 10 <= stopped < 30
-    assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in log
-    assert f"continuing at step {stopped + 1}" in log
+    stops = [int(part.split()[0]) for part in log.split("checkpointed at step ")[1:]]
+    assert len(stops) == 2 and 10 <= stops[0] < 30 and 40 <= stops[1] < 60, stops
+    for stopped in stops:  # each time at the step it was on, not the last periodic one
+        assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in log
+        assert f"continuing at step {stopped + 1}" in log
     for job in ("trainer", "control"):
         submitit_log = next((run_dir / "slurm" / job).glob("*_0_log.out")).read_text()
         assert f"Requeued job {ids[job]}" in submitit_log
@@ -247,7 +258,17 @@ def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
         ),
         (
             ["cluster.cpus_per_node=16"],
-            "job control asks for 8 CPUs per node; partition cpu's nodes have at most 2",
+            "cluster.cpus_per_node=16: job control asks for 8 CPUs per node; partition cpu's "
+            "nodes have at most 2",
+        ),
+        (  # the control job's capped ask is not the setting's value
+            ["cluster.mem_gb_per_node=100"],
+            "cluster.mem_gb_per_node=100: job control asks for 32 GB per node; partition "
+            "cpu's nodes have at most 7000 MB",
+        ),
+        (
+            ["cluster.partition=debug", "cluster.time_min=90"],
+            "cluster.time_min=90: partition debug allows at most 60 minutes per job",
         ),
     ],
 )
@@ -342,3 +363,229 @@ def test_resumed_steps_count_once() -> None:
     train = sorted((r["step"], r["reward/mean"]) for r in records if is_train(r))
     assert train == [(1, 0.1), (2, 0.25), (3, 0.3)]
     assert sorted(r["step"] for r in records if is_eval(r)) == [0, 2]
+
+
+# --- the supervisor and the Slurm clients, against a fake `slurm` command runner -----------
+
+
+class FakeSlurm:
+    """Stands in for slurm_cli.slurm: answers per client from `answers` (a ConfigError
+    instance is raised, as for a daemon that is down) and records every call."""
+
+    def __init__(self, **answers: str | Exception) -> None:
+        self.answers, self.calls = answers, []
+
+    def __call__(self, *args: str, check: bool = True) -> str:
+        self.calls.append(args)
+        answer = self.answers.get(args[0], "")
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+DBD_DOWN = slurm_cli.ConfigError("`sacct ...` failed: Problem talking to the database")
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected"),
+    [
+        # slurmdbd down: the controller still knows every live job.
+        (
+            {"squeue": "11|RUNNING|node1|1:02|None\n12|PENDING||0:00|BeginTime", "sacct": DBD_DOWN},
+            {"11": "RUNNING", "12": "PENDING"},
+        ),
+        # After an outage the accounting still says RUNNING; the controller knows better.
+        (
+            {
+                "squeue": "11|COMPLETED|node1|9:00|None\n12|COMPLETED|node2|9:00|None",
+                "sacct": "11|RUNNING|node1|00:05:00|None\n12|RUNNING|node2|00:05:00|None",
+            },
+            {"11": "COMPLETED", "12": "COMPLETED"},
+        ),
+        # A job the controller has forgotten (MinJobAge): the accounting answers for it.
+        (
+            {"squeue": "11|RUNNING|node1|1:02|None", "sacct": "12|CANCELLED by 0|node2|1:00|None"},
+            {"11": "RUNNING", "12": "CANCELLED by 0"},
+        ),
+        (
+            {
+                "squeue": slurm_cli.ConfigError("Invalid job id specified"),
+                "sacct": "11|COMPLETED|node1|1:00|None",
+            },
+            {"11": "COMPLETED"},
+        ),
+    ],
+)
+def test_job_states_asks_the_controller_then_the_accounting(
+    monkeypatch: pytest.MonkeyPatch, answers: dict, expected: dict[str, str]
+) -> None:
+    monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(**answers))
+    states = slurm_cli.job_states(["11", "12"])
+    assert {job_id: s.state for job_id, s in states.items()} == expected
+
+
+def test_job_states_fails_only_when_neither_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    down = slurm_cli.ConfigError("Unable to contact slurm controller")
+    monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(squeue=down, sacct=DBD_DOWN))
+    with pytest.raises(slurm_cli.ConfigError, match="database"):
+        slurm_cli.job_states(["11"])
+
+
+@pytest.mark.parametrize(
+    ("limit", "minutes"),
+    [("UNLIMITED", None), ("60", 60), ("01:00:00", 60), ("2-00:00:00", 2880), ("1-12", 2160)],
+)
+def test_slurm_time_limits_read_in_minutes(limit: str, minutes: float | None) -> None:
+    assert slurm_cli.minutes(limit) == minutes
+
+
+@pytest.fixture
+def supervisor_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A factory of NodeSupervisors for one job of a real run directory (max_restarts=0),
+    with Slurm's clients faked: nothing is submitted or cancelled."""
+    from launcher import supervisor
+    from launcher.plan import plan
+    from rl.testing import compose_run
+
+    cfg = compose_run("cluster=slurm_cpu", "max_restarts=0")
+    RunDir(tmp_path).create(cfg, "token", plan(cfg).to_json())
+    slurm_cli.write_jobs(RunDir(tmp_path), "cpu", {"control": "11", "trainer": "12"})
+    monkeypatch.setenv("SLURM_JOB_ID", "11")
+    monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm())
+    monkeypatch.setattr(supervisor, "PEER_POLL_S", 0.01)
+    monkeypatch.setattr(supervisor, "CANCEL_WAIT_S", 0.0)
+    made: list = []
+    yield lambda job: made.append(supervisor.NodeSupervisor(RunDir(tmp_path), job)) or made[-1]
+    for sup in made:
+        stop_children(sup.children)
+
+
+def role_process(sup, role: str, code: str) -> None:
+    """Run `code` as one of `sup`'s roles, the way the supervisor spawns them."""
+    argv = [sys.executable, "-c", code]
+    sup.children.append(spawn(role, role, argv, dict(os.environ), sup.rundir.log(role)))
+
+
+def test_an_unlisted_peer_is_waited_for(supervisor_for, monkeypatch) -> None:
+    """The accounting has not listed the trainer job yet: wait, then start once it runs."""
+    sup = supervisor_for("control")
+    answers = iter([{}, {}, {"12": slurm_cli.JobState("RUNNING", "node2", "0:01", "None")}])
+    monkeypatch.setattr(slurm_cli, "job_states", lambda ids: next(answers))
+    sup.wait_for_peers(sup.peers())
+    assert next(answers, None) is None  # asked until it was listed, then returned
+
+
+def test_a_supervisor_error_is_recorded_as_the_reason(supervisor_for, monkeypatch) -> None:
+    from launcher.supervisor import RunEnded
+
+    sup = supervisor_for("control")
+    monkeypatch.setattr(slurm_cli, "job_states", lambda ids: 1 / 0)
+    with pytest.raises(RunEnded):
+        sup.run()
+    failure = json.loads(sup.rundir.failure.read_text())
+    assert failure["job"] == "control" and "ZeroDivisionError" in failure["reason"]
+
+
+def test_a_checkpoint_request_does_not_hide_other_deaths(supervisor_for) -> None:
+    """While the trainer job checkpoints for a requeue, the control job still sees its
+    orchestrator die, and fails the run with its name."""
+    from launcher.supervisor import RunEnded
+
+    sup = supervisor_for("control")
+    sup.rundir.checkpoint_request.touch()
+    role_process(sup, "orchestrator", "raise SystemExit(3)")
+    sup.children[0].proc.wait()
+    with pytest.raises(RunEnded, match="role orchestrator exited with code 3"):
+        sup.check_children()
+    assert "orchestrator" in json.loads(sup.rundir.failure.read_text())["reason"]
+
+
+def test_a_hung_role_is_killed_and_named_by_the_supervisor(supervisor_for) -> None:
+    """A role that stops answering (here SIGSTOP) is found by the job's supervisor as by the
+    local launcher: killed after `timeouts.hung_s`, and with no restarts left it fails the
+    run, named."""
+    from launcher.processes import Liveness
+    from launcher.supervisor import RunEnded
+
+    sup = supervisor_for("control")
+    sup.liveness = Liveness(sup.rundir, hung_s=0.5, start_s=60)
+    role_process(sup, "orchestrator", "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)")
+    deadline = time.monotonic() + 30
+    with pytest.raises(RunEnded, match=r"role orchestrator hung \(no sign of life for"):
+        while time.monotonic() < deadline:
+            sup.check_children()
+            time.sleep(0.1)
+    assert "hung" in json.loads(sup.rundir.failure.read_text())["reason"]
+    assert sup.children[0].proc.returncode == -signal.SIGKILL
+
+
+def test_a_trainer_stopped_by_request_is_neither_done_nor_failed(supervisor_for) -> None:
+    from launcher.supervisor import RunEnded
+
+    sup = supervisor_for("trainer")
+    sup.rundir.checkpoint_request.touch()
+    role_process(sup, "trainer", "pass")  # exits 0 after its checkpoint
+    sup.children[0].proc.wait()
+    assert sup.check_children() == [] and not sup.rundir.failure.exists()
+    # A request nobody answered long ago is stale: the trainer's exit counts again.
+    old = time.time() - 3600
+    os.utime(sup.rundir.checkpoint_request, (old, old))
+    stop_children(sup.children)
+    sup.children = []
+    role_process(sup, "trainer", "raise SystemExit(1)")
+    sup.children[0].proc.wait()
+    with pytest.raises(RunEnded, match="role trainer exited with code 1"):
+        sup.check_children()
+    assert not sup.rundir.checkpoint_request.exists()
+
+
+def test_sigterm_makes_the_trainer_checkpoint_first(supervisor_for) -> None:
+    """`scontrol requeue`, node loss and scancel send SIGTERM, not USR2: the trainer job's
+    supervisor still asks for a checkpoint at the current step and waits for it."""
+    sup = supervisor_for("trainer")
+    control = sup.rundir.control
+    role_process(
+        sup,
+        "trainer",
+        "import pathlib, time\n"
+        f"c = pathlib.Path({str(control)!r})\n"
+        "for _ in range(600):\n"
+        "    if (c / 'checkpoint-request').exists():\n"
+        "        (c / 'checkpointed').write_text('17'); break\n"
+        "    time.sleep(0.05)\n",
+    )
+    sup._terminated(signal.SIGTERM, None)
+    assert sup.rundir.checkpointed.read_text() == "17"
+    assert sup.stopping and sup.children == []
+
+
+@pytest.mark.parametrize("marker", ["complete", "failure.json", "done/trainer"])
+def test_a_finished_run_is_not_requeued(tmp_path: Path, marker: str) -> None:
+    from launcher.supervisor import JobRoles
+
+    (tmp_path / marker).parent.mkdir(exist_ok=True)
+    (tmp_path / marker).touch()
+    with pytest.raises(SystemExit) as ended:
+        JobRoles(str(tmp_path), "trainer").checkpoint()
+    assert ended.value.code == 0
+    # A run with work left is requeued (submitit requeues what checkpoint returns).
+    if marker == "done/trainer":
+        assert JobRoles(str(tmp_path), "inference").checkpoint() is not None
+
+
+def test_status_without_the_accounting_database(tmp_path: Path, monkeypatch) -> None:
+    """`action=status` reads the controller when sacct cannot answer, and still shows the
+    run when neither can."""
+    from launcher.slurm import format_status
+
+    run = RunDir(tmp_path)
+    slurm_cli.write_jobs(run, "cpu", {"control": "11", "trainer": "12"})
+    squeue = "11|COMPLETED|node1|9:00|None\n12|RUNNING|node2|9:00|None"
+    monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(squeue=squeue, sacct=DBD_DOWN))
+    lines = format_status(run).splitlines()
+    assert "COMPLETED" in next(x for x in lines if "control" in x)
+    assert "RUNNING" in next(x for x in lines if "trainer" in x)
+    down = slurm_cli.ConfigError("Unable to contact slurm controller")
+    monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(squeue=down, sacct=DBD_DOWN))
+    status = format_status(run)
+    assert "job states unavailable" in status and "no trainer step yet" in status

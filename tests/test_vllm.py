@@ -220,7 +220,7 @@ def test_dead_vllm_is_restarted_with_its_weights(server: SimpleNamespace) -> Non
     pid = int(re.findall(r"started vLLM \(pid (\d+)\)", log)[-1])
     os.killpg(pid, signal.SIGKILL)  # vLLM runs in a process group of its own
     deadline = time.monotonic() + 600
-    while "restart 1 of 3" not in (server.run_dir / "inference.log").read_text():
+    while "restarting vLLM (1 of 3)" not in (server.run_dir / "inference.log").read_text():
         assert time.monotonic() < deadline
         time.sleep(1)
     while server.client.get("/health").status_code != 200:

@@ -66,8 +66,11 @@ def test_splits_are_disjoint_and_seeded(env: Any) -> None:
 
 
 def test_bad_settings_are_named() -> None:
-    for override, named in (("+environment.args.turns=3", "turns"), ("max_turns=0", "max_turns")):
-        override = override.replace("max_turns=0", "environment.args.max_turns=0")
+    for override, named in (
+        ("+environment.args.turns=3", "turns"),
+        ("environment.args.max_turns=0", "max_turns"),
+        ("environment.args.partial_credit=48", "partial_credit"),  # rewards past 0..1
+    ):
         with pytest.raises(ValueError, match=named):
             make_environment(compose_run("environment=wordle", override).environment)
 

@@ -10,6 +10,13 @@ Every environment subclasses `Environment`, which declares the members the orche
 each optional one with a default that means "not used", so an environment defines only what it
 has.
 
+Rewards are checked where they are made: each environment declares `reward_range`, and callers
+score through `Environment.score`, which raises `RewardOutOfRange` for a reward outside it (or
+not a finite number). Such a reward is a bug in the environment, or a reward the policy found a
+way to forge; training on it would teach exactly that, so it stops the run with the reason.
+Shaping that callers add afterwards (the orchestrator's length penalty) is not the
+environment's reward and is not checked here.
+
 `make_environment(cfg.environment)` picks one from the registry the `environment` config
 group selects from; modules are imported on demand, so one environment's dependencies never
 slow down another's start.
@@ -18,6 +25,8 @@ slow down another's start.
 from __future__ import annotations
 
 import importlib
+import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +40,10 @@ class Example:
     prompt: str
     answer: str
     info: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+class RewardOutOfRange(RuntimeError):
+    """An environment returned a reward outside its declared `reward_range`."""
 
 
 class Environment(ABC):
@@ -49,6 +62,8 @@ class Environment(ABC):
     """Replies and rewards computed this many at a time."""
     max_episode_tokens: int | None = None
     """Tokens per episode after the prompt; None: up to the served context length."""
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    """The lowest and highest reward `reward` can return; `score` refuses anything else."""
 
     @abstractmethod
     def train_examples(self) -> list[Example]:
@@ -61,6 +76,21 @@ class Environment(ABC):
     @abstractmethod
     def reward(self, example: Example, completion: Any) -> float:
         """Single-turn: `completion` is the text. Multi-turn: the list of the model's turns."""
+
+    def score(self, example: Example, completion: Any) -> float:
+        """`reward`, checked against `reward_range`: what callers train and evaluate on. Off
+        by no more than float rounding, it is clamped; further off, RewardOutOfRange."""
+        value = self.reward(example, completion)
+        number = float(value) if isinstance(value, numbers.Real) else math.nan
+        low, high = self.reward_range
+        slack = 1e-9 * max(1.0, high - low)
+        if not (math.isfinite(number) and low - slack <= number <= high + slack):
+            raise RewardOutOfRange(
+                f"environment {self.name}: reward {value!r} is outside its declared range "
+                f"[{low:g}, {high:g}] (a bug in the environment, or a forged reward); the "
+                f"prompt began {example.prompt[:120]!r}"
+            )
+        return min(max(number, low), high)
 
     @abstractmethod
     def exact_match(self, example: Example, completion: Any) -> bool:

@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import math
 import random
 import threading
 from collections.abc import AsyncIterator, Coroutine
@@ -315,6 +316,9 @@ async def replay(env: Any, task: Any, turns: list[str], stop_at_end: bool) -> tu
 
 class VerifiersEnvironment(Environment):
     name = "verifiers"
+    # A weighted sum of the environment's own reward functions: no bound Relay can know. NaN
+    # and infinity are still refused.
+    reward_range = (-math.inf, math.inf)
 
     def __init__(self, env_cfg: Any) -> None:
         from omegaconf import DictConfig, OmegaConf

@@ -77,6 +77,10 @@ class Wordle(Environment):
         self.args = check_args(dict(env_cfg.args), WordleArgs())
         if self.args.max_turns < 1:
             raise ValueError(f"environment.args.max_turns={self.args.max_turns}: need >= 1")
+        if not 0 <= self.args.partial_credit <= 1:  # rewards stay in the declared 0..1
+            raise ValueError(
+                f"environment.args.partial_credit={self.args.partial_credit}: need 0..1"
+            )
         self.max_turns = self.args.max_turns
         self.words = frozenset(wordle_words)
         words = sorted(self.words)

@@ -5,6 +5,8 @@
   `factory.py` picks the implementations from `inference.weight_transport`.
 - `filesystem.py`: `weights/step_N/` on a shared filesystem, loaded by the servers on the
   orchestrator's request (the default).
+- `published.py`: what a server checks before loading weights from disk (a published version
+  of its run, not older than the one served, readable, finite), for both backends.
 - `broadcast.py` (trainer's client), `routes.py` (the servers' routes) and `sync.py` (the
   process group and wire layout): rank 0 sends the tensors straight to every inference worker.
 

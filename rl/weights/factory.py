@@ -27,5 +27,5 @@ def make_waiter(
     """The orchestrator's waiter for `inference.weight_transport`; `inference` loads weights
     into every server (`load_weights(path, version)`)."""
     if cfg.inference.weight_transport == WeightTransport.broadcast:
-        return BroadcastRecordWaiter(run_dir)
-    return FilesystemWaiter(run_dir, inference, log)
+        return BroadcastRecordWaiter(run_dir, cfg.timeouts.weights_s)
+    return FilesystemWaiter(run_dir, inference, log, cfg.timeouts.weights_s)

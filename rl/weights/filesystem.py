@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rl.model import publish_weights
-from rl.rundir import RunDir, is_complete
+from rl.rundir import BROADCAST, RunDir, is_complete
 from rl.weights.base import VersionWaiter, WeightPublisher
 
 
@@ -41,13 +42,17 @@ class FilesystemPublisher(WeightPublisher):
 class FilesystemWaiter(VersionWaiter):
     """Waits for `weights/step_N` and loads the newest version into every server."""
 
-    def __init__(self, run_dir: Path, inference: Any, log: logging.Logger) -> None:
+    def __init__(
+        self, run_dir: Path, inference: Any, log: logging.Logger, timeout_s: float
+    ) -> None:
         self.run_dir, self.inference, self.log = RunDir(run_dir), inference, log
+        self.timeout_s = timeout_s
 
     def wait(self, minimum: int, held: int) -> int:
         started = time.monotonic()
-        while (newest := self.run_dir.newest_version()) < minimum:
-            time.sleep(0.05)
+        newest = wait_for_version(
+            self.run_dir.newest_version, minimum, self.timeout_s, self.run_dir.weights, 0.05
+        )
         if newest <= held:
             return held
         t0 = time.monotonic()
@@ -65,10 +70,28 @@ class BroadcastRecordWaiter(VersionWaiter):
     """Waits until `weights/BROADCAST` records a new enough version (the trainer has sent it
     and every server confirmed it)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = RunDir(run_dir)
+    def __init__(self, run_dir: Path, timeout_s: float) -> None:
+        self.run_dir, self.timeout_s = RunDir(run_dir), timeout_s
 
     def wait(self, minimum: int, held: int) -> int:
-        while (newest := self.run_dir.broadcast_version()) < minimum:
-            time.sleep(0.02)
+        record = self.run_dir.weights / BROADCAST
+        newest = wait_for_version(
+            self.run_dir.broadcast_version, minimum, self.timeout_s, record, 0.02
+        )
         return max(held, newest)
+
+
+def wait_for_version(
+    newest: Callable[[], int], minimum: int, timeout_s: float, where: Path, poll_s: float
+) -> int:
+    """Poll `newest()` until it reaches `minimum`; TimeoutError naming what was awaited, and
+    where, after `timeout_s` (`timeouts.weights_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while (version := newest()) < minimum:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"orchestrator waited {timeout_s:g} s (timeouts.weights_s) for policy version "
+                f"{minimum} in {where}; the newest there is {version}: is the trainer alive?"
+            )
+        time.sleep(poll_s)
+    return version

@@ -13,11 +13,22 @@ edited package (edits to the tests do not count): the fraction of the tests that
 start and pass now, less any that passed at the start and fail now (so 1 when all pass, 0 for
 no change); with `call_bonus`, an episode that fixed nothing earns up to that much for making
 well-formed tool calls.
+
+Test results cannot be forged by the code under test. The sandbox runs only the package and a
+runner that calls each test's function and reports what it returned (or raised), as a repr, on
+a channel of its own (file descriptor 3, opened before the package is imported; stdout, which
+the package shares, carries nothing that counts). The verdicts are made here, outside the
+sandbox, against the expected values the task generator computed; the sandbox never holds
+them. A report that is not exactly one well-formed answer per test counts as a crash. So the
+most a package can claim is "my function returned X", which it could as well have done by
+returning X: the reward stays what the tests measure, within 0..1 (`reward_range`).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -30,24 +41,29 @@ from rl.envs.code_repair import sandbox
 from rl.envs.code_repair.tasks import Task, make_task
 from rl.envs.code_repair.tools import ChatFormat, Tool, ToolCall, parse_tool_calls
 
+log = logging.getLogger(__name__)
 SYSTEM = "You are a careful Python programmer. You fix bugs with the tools you are given."
-RESULT_MARK = "@@relay-test-results@@"
-RUNNER = f'''import importlib, json, pathlib, sys
+REPORT_CHARS = 2000  # of one returned value's repr or error: enough for any expected value
+RUNNER = f'''"""Calls each test's function on the package; reports on fd 3 what each returned."""
+import json, os, sys
+report = os.fdopen(3, "w")
 sys.path.insert(0, ".")
-results = []
-for path in sorted(pathlib.Path("tests").glob("test_*.py")):
+package, cases = json.loads(open("relay_cases.json").read())
+names, observed = {{}}, {{}}
+try:
+    exec(f"from {{package}} import *", names)
+    failed = None
+except BaseException as err:
+    failed = f"import failed: {{type(err).__name__}}: {{err}}"
+for test, call in cases:
     try:
-        module = importlib.import_module("tests." + path.stem)
+        if failed:
+            raise ImportError(failed)
+        observed[test] = ["returned", repr(eval(call, names))[:{REPORT_CHARS}]]
     except BaseException as err:
-        results.append([str(path), False, f"import failed: {{type(err).__name__}}: {{err}}"])
-        continue
-    for name in [n for n in vars(module) if n.startswith("test_")]:
-        try:
-            getattr(module, name)()
-            results.append([name, True, ""])
-        except BaseException as err:
-            results.append([name, False, f"{{type(err).__name__}}: {{err}}"])
-print("{RESULT_MARK}" + json.dumps(results))
+        observed[test] = ["raised", f"{{type(err).__name__}}: {{err}}"[:{REPORT_CHARS}]]
+report.write(json.dumps(observed))
+report.close()
 '''
 TOOLS = [
     Tool("list_files", "List the files of the package and its tests.", {}),
@@ -96,13 +112,17 @@ class CodeRepair(Environment):
         self.args = check_args(dict(env_cfg.args), CodeRepairArgs())
         if self.args.max_turns < 1 or self.args.sandboxes < 1:
             raise ValueError("environment.args.max_turns and .sandboxes must be >= 1")
+        if not 0.0 <= self.args.call_bonus <= 1.0:
+            raise ValueError(f"environment.args.call_bonus={self.args.call_bonus}: must be in 0..1")
         if not Path(self.args.python).exists():
             raise ValueError(f"environment.args.python={self.args.python}: no such interpreter")
-        sandbox.check()
+        caps = sandbox.check()
+        log.info("code_repair sandbox: memory and processes capped per run by %s", caps)
         self.seed = env_cfg.seed
         self.max_turns = self.args.max_turns
         self.max_episode_tokens = self.args.max_episode_tokens
         self.concurrency = self.args.sandboxes
+        self.reward_range = (0.0, 1.0)  # fixed tests' share, or up to call_bonus <= 1
         self.tools = {t.name: t for t in TOOLS}
         self.slots = threading.BoundedSemaphore(self.args.sandboxes)
         self.limits = sandbox.Limits(wall_s=self.args.wall_s, memory_mb=self.args.memory_mb)
@@ -145,14 +165,15 @@ class CodeRepair(Environment):
         if not calls and not errors:
             return None
         files = self.files(example, turns[:-1])
-        results = [self.execute(call, files)[0] for call in calls]
+        task = self.task(**example.info)
+        results = [self.execute(call, files, task)[0] for call in calls]
         results += [f"error: {e}" for e in errors]
         cap = self.args.max_result_chars
         return self.format.tool_turn([r if len(r) <= cap else r[:cap] + "\n[cut]" for r in results])
 
     # Tools. Each returns (text for the model, whether the call did what it asked).
 
-    def execute(self, call: ToolCall, files: dict[str, str]) -> tuple[str, bool]:
+    def execute(self, call: ToolCall, files: dict[str, str], task: Task) -> tuple[str, bool]:
         args = call.arguments
         if call.name == "list_files":
             return "\n".join(sorted(files)), True
@@ -162,7 +183,7 @@ class CodeRepair(Environment):
             return files[args["path"]], True
         if call.name == "edit_file":
             return _edit(files, args["path"], args["old"], args["new"])
-        outcome = self.run_tests(files)
+        outcome = self.run_tests(task, files)
         return _summary(outcome), isinstance(outcome, list)
 
     def files(self, example: Example, turns: list[str]) -> dict[str, str]:
@@ -176,31 +197,31 @@ class CodeRepair(Environment):
                     )
         return files
 
-    def run_tests(self, files: dict[str, str]) -> list[list[Any]] | str:
-        """[[test, passed, message], ...] from one sandboxed run, or what went wrong."""
+    def run_tests(self, task: Task, files: dict[str, str]) -> list[list[Any]] | str:
+        """[[test, passed, message], ...] of `task`'s tests on the package in `files` (its
+        test files are not used: the task's own tests are), or what went wrong."""
+        cases = [[test, call] for test, call, _ in task.cases]
         with self.slots, tempfile.TemporaryDirectory(prefix="relay-code-") as tmp:
             root = Path(tmp)
             for rel, text in files.items():
-                (root / rel).parent.mkdir(parents=True, exist_ok=True)
-                (root / rel).write_text(text)
-            (root / "tests" / "__init__.py").write_text("")
+                if not rel.startswith("tests/"):  # they hold the expected values
+                    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (root / rel).write_text(text)
+            (root / "relay_cases.json").write_text(json.dumps([task.package, cases]))
             (root / "relay_run_tests.py").write_text(RUNNER)
             result = sandbox.run([self.args.python, "-I", "relay_run_tests.py"], root, self.limits)
         if result.timed_out or result.returncode in (128 + 9, 128 + 24):  # SIGKILL, SIGXCPU
             limits = f"{self.limits.wall_s:g} s wall clock, {self.limits.cpu_s} s CPU"
             return f"the tests were stopped by the time limit ({limits})"
-        tail = result.stdout.rpartition(RESULT_MARK)[2]
-        try:
-            return json.loads(tail) if RESULT_MARK in result.stdout else _crash(result)
-        except json.JSONDecodeError:
+        observed = _report(result.channel, [test for test, _ in cases])
+        if observed is None:
             return _crash(result)
+        return [[test, *_verdict(call, want, *observed[test])] for test, call, want in task.cases]
 
     # Scoring.
 
     def _score_uncached(self, split: str, index: int, package: tuple[tuple[str, str], ...]) -> int:
-        task = self.task(split, index)
-        files = {**dict(package), **{p: t for p, t in task.files.items() if p.startswith("tests/")}}
-        outcome = self.run_tests(files)
+        outcome = self.run_tests(self.task(split, index), dict(package))
         return sum(ok for _, ok, _ in outcome) if isinstance(outcome, list) else 0
 
     def passed(self, example: Example, turns: list[str]) -> int:
@@ -259,6 +280,34 @@ def _summary(outcome: list[list[Any]] | str) -> str:
     failed = [f"FAILED {name}: {message}" for name, ok, message in outcome if not ok]
     passed = len(outcome) - len(failed)
     return "\n".join([f"{passed} passed, {len(failed)} failed", *failed])
+
+
+def _report(channel: str, tests: list[str]) -> dict[str, tuple[str, str]] | None:
+    """The runner's report: test -> ("returned", repr) or ("raised", error), one per test;
+    None when the channel holds anything else (a crash, or writes of the package's own)."""
+    try:
+        report = json.loads(channel)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(report, dict) or sorted(report) != sorted(tests):
+        return None
+    for entry in report.values():
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
+            return None
+        if entry[0] not in ("returned", "raised"):
+            return None
+    return {test: (kind, text) for test, (kind, text) in report.items()}
+
+
+def _verdict(call: str, want: Any, kind: str, text: str) -> tuple[bool, str]:
+    """Whether a test passed, judged here against its expected value, and why not."""
+    if kind == "raised":
+        return False, f"{call} raised {text}"
+    try:
+        right = ast.literal_eval(text) == want  # plain data only: never the package's objects
+    except Exception:  # noqa: BLE001 - an unreadable repr is a wrong answer
+        right = False
+    return right, "" if right else f"{call} returned {text}, expected {want!r}"
 
 
 def _crash(result: sandbox.Result) -> str:

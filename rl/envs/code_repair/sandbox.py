@@ -2,19 +2,36 @@
 
 Each `run` starts this module (`python -m rl.envs.code_repair.sandbox`) as a bootstrap that,
 before it executes the command:
+- joins the run's control group, when this machine lets Relay make one (see below);
 - enters new mount, network, PID, IPC and UTS namespaces (plus a user namespace when not root):
-  no network but a loopback that is down, no view of other processes;
-- remounts every file system read-only except the run's working directory, bind-mounted
-  writable at a fresh directory under /tmp that any uid may enter, so nothing outside it can be
-  written, /tmp and /dev/shm included;
+  no network but a loopback that is down, no view of other processes, and no abstract Unix
+  sockets (their names live in the network namespace);
+- remounts every file system read-only, and lays empty read-only tmpfs over /tmp, /var/tmp,
+  /run, /var/run and /dev/shm, and /dev/null over every other Unix socket bound on this host,
+  so no filesystem socket (a database's, munge's) can be reached either;
+- gives the command a fresh tmpfs of `disk_mb` bytes and `inodes` files at /tmp/work, with a
+  copy of the caller's directory in it: the run's only writable place, gone when it ends (the
+  caller's directory is never written);
 - as root, also drops to an unprivileged uid of its own (so a process-count limit counts this
-  run alone) that owns only the working directory;
+  run alone) that owns only that tmpfs;
 - forks the command as PID 1 of the new namespace with limits on CPU seconds, address space,
   processes, file size and open files. When PID 1 ends, the kernel ends everything it started.
-The caller enforces the wall-clock limit: on expiry it kills the namespace's PID 1 (so every
-process of the run) and the bootstrap. Output is capped.
+  File descriptor 3 of the command is a pipe to the caller, returned as `Result.channel`: a
+  report channel that the command's stdout, which everything it runs shares, cannot disturb.
 
-`check()` probes once whether this machine allows the namespaces, with a clear error if not.
+Totals per run (not per process): disk bytes and inodes by the tmpfs, always. Memory and
+processes by a control group when one can be made: cgroup v2 where its memory and pids
+controllers are enabled for the caller's group, otherwise cgroup v1 memory and pids hierarchies
+(what this project's CI machines offer), as root. Where neither can be made (no root, a
+read-only /sys/fs/cgroup), processes are still capped in total by RLIMIT_NPROC on the run's own
+uid (as root), but memory only per process, by RLIMIT_AS; `control_group()` says which applies.
+
+The caller enforces the wall-clock limit: on expiry it kills the namespace's PID 1 (so every
+process of the run), the bootstrap and the control group's members. Stdout, stderr and the
+channel are read while the run goes on, keeping at most `output_kb` of each in memory.
+
+`check()` probes once whether this machine allows the namespaces, with a clear error if not,
+and says which control group applies.
 """
 
 from __future__ import annotations
@@ -23,11 +40,14 @@ import ctypes
 import json
 import os
 import resource
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +59,9 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 UID_BASE = 200_000  # sandbox uids: UID_BASE + bootstrap pid % UID_SPAN, owning nothing else
 UID_SPAN = 100_000
 KILLED_EXIT = 137
+VIEW = "/tmp/work"  # where the run sees its working directory
+CHANNEL_FD = 3
+HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")  # where sockets usually live
 
 
 @dataclass(frozen=True)
@@ -50,13 +73,18 @@ class Limits:
     cpu_s: int = 5
     """CPU seconds per process (RLIMIT_CPU)."""
     memory_mb: int = 512
-    """Address space per process (RLIMIT_AS)."""
+    """Memory of the whole run (its control group, tmpfs pages included) and address space
+    of each of its processes (RLIMIT_AS)."""
     processes: int = 32
-    """Processes and threads the run may have at once (RLIMIT_NPROC, per sandbox uid as root)."""
+    """Processes and threads the run may have at once, in total."""
     file_mb: int = 16
     """Largest file the run may write (RLIMIT_FSIZE)."""
+    disk_mb: int = 32
+    """Bytes the run's working directory may hold in total (its tmpfs)."""
+    inodes: int = 1024
+    """Files and directories the working directory may hold in total (its tmpfs)."""
     output_kb: int = 64
-    """Stdout and stderr kept, each; the rest is cut."""
+    """Stdout, stderr and channel kept, each; the rest is read and dropped."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +95,8 @@ class Result:
     stderr: str
     timed_out: bool
     wall_s: float
+    channel: str = ""
+    """What the command wrote to file descriptor 3."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -74,52 +104,111 @@ class SandboxUnavailable(RuntimeError):
 
 
 def run(argv: list[str], workdir: Path, limits: Limits | None = None, stdin: str = "") -> Result:
-    """Run `argv` in `workdir` inside the sandbox; the only writable place is `workdir`."""
+    """Run `argv` on a copy of `workdir` inside the sandbox; `workdir` itself is only read."""
     limits = limits or Limits()
-    # Where the run sees `workdir`: a directory anyone may enter, whatever `workdir`'s parents
-    # allow; the bind mount exists only inside the run's mount namespace.
-    view = Path(tempfile.mkdtemp(prefix="relay-sandbox-"))
-    view.chmod(0o755)
-    spec = {"argv": argv, "workdir": str(workdir.resolve()), "view": str(view)}
+    group = ControlGroup.create(limits)
+    spec = {
+        "argv": argv,
+        "workdir": str(workdir.resolve()),
+        "limits": asdict(limits),
+        "cgroups": [str(d) for d in group.dirs] if group else [],
+    }
     try:
-        return _run(json.dumps({**spec, "limits": asdict(limits)}), limits, stdin)
+        return _run(spec, limits, stdin)
     finally:
-        view.rmdir()
+        if group:
+            group.destroy()
 
 
-def _run(spec: str, limits: Limits, stdin: str) -> Result:
+def _run(spec: dict, limits: Limits, stdin: str) -> Result:
     t0 = time.monotonic()
-    # `__name__` is this module's dotted name here: the caller imported it (only the bootstrap
-    # runs it as __main__, and never gets here).
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __name__, spec],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": _package_root()},
-    )
-    timed_out = False
+    channel_read, channel_write = os.pipe()
+    spec["channel"] = channel_write
+    with tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin.encode())
+        stdin_file.seek(0)
+        # `__name__` is this module's dotted name here: the caller imported it (only the
+        # bootstrap runs it as __main__, and never gets here).
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, json.dumps(spec)],
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(channel_write,),
+            start_new_session=True,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": _package_root()},
+        )
+    os.close(channel_write)
+    assert proc.stdout is not None and proc.stderr is not None
+    streams = [proc.stdout.fileno(), proc.stderr.fileno(), channel_read]
+    reader = CappedReader(streams, limits.output_kb * 1024)
+    deadline = t0 + limits.wall_s
     try:
-        out, err = proc.communicate(stdin.encode(), timeout=limits.wall_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_tree(proc.pid)
-        out, err = proc.communicate()
+        timed_out = not reader.read_until(deadline) or _still_running(proc, deadline)
+        if timed_out:
+            _kill_tree(proc.pid)
+            reader.read_until(time.monotonic() + 5.0)  # what was written before the end
+    finally:
+        os.close(channel_read)
+        proc.stdout.close()
+        proc.stderr.close()
+    proc.wait()
     if os.getuid() == 0:  # PID 1 is gone; the kernel is ending the rest of the namespace
         _wait_gone(UID_BASE + proc.pid % UID_SPAN)
-    cap = limits.output_kb * 1024
+    out, err, channel = (reader.text(fd) for fd in streams)
     return Result(
         returncode=KILLED_EXIT if timed_out else _exit_code(proc.returncode),
-        stdout=out[:cap].decode(errors="replace"),
-        stderr=err[:cap].decode(errors="replace"),
+        stdout=out,
+        stderr=err,
         timed_out=timed_out,
         wall_s=time.monotonic() - t0,
+        channel=channel,
     )
 
 
-def check() -> None:
-    """Raise SandboxUnavailable, saying why, when sandboxed runs cannot work here."""
+class CappedReader:
+    """Reads pipes until each is closed, keeping at most `cap` bytes of each and dropping the
+    rest: a writer never blocks, and memory stays bounded however much it writes."""
+
+    def __init__(self, fds: list[int], cap: int) -> None:
+        self.kept = {fd: bytearray() for fd in fds}
+        self.open = set(fds)
+        self.cap = cap
+
+    def read_until(self, deadline: float) -> bool:
+        """Read until every pipe is closed (True) or `deadline`, monotonic, passes (False)."""
+        with selectors.DefaultSelector() as selector:
+            for fd in self.open:
+                selector.register(fd, selectors.EVENT_READ)
+            while self.open:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                for key, _ in selector.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        self.open.discard(key.fd)
+                    kept = self.kept[key.fd]
+                    kept += chunk[: self.cap - len(kept)]
+        return True
+
+    def text(self, fd: int) -> str:
+        return self.kept[fd].decode(errors="replace")
+
+
+def _still_running(proc: subprocess.Popen, deadline: float) -> bool:
+    """Wait for the bootstrap until `deadline`; True when it is still running then."""
+    try:
+        proc.wait(max(0.0, deadline - time.monotonic()))
+        return False
+    except subprocess.TimeoutExpired:
+        return True
+
+
+def check() -> str:
+    """Raise SandboxUnavailable, saying why, when sandboxed runs cannot work here; else say
+    what caps memory and processes per run here (`control_group()`)."""
     with tempfile.TemporaryDirectory(prefix="relay-sandbox-check-") as tmp:
         result = run(["/bin/sh", "-c", "echo ok > probe && cat probe"], Path(tmp))
     if result.stdout.strip() != "ok":
@@ -127,6 +216,7 @@ def check() -> None:
             "the code sandbox needs Linux mount, network and PID namespaces (root, or "
             f"unprivileged user namespaces); the probe said: {result.stderr.strip()[-400:]}"
         )
+    return control_group()
 
 
 def _package_root() -> str:
@@ -146,12 +236,16 @@ def _kill_tree(bootstrap: int) -> None:
     except OSError:
         children = []
     for pid in children:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(int(pid))
     try:
         os.killpg(bootstrap, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
@@ -175,6 +269,121 @@ def _wait_gone(uid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+# Control groups: the run's memory and process totals.
+
+
+@dataclass(frozen=True)
+class ControlGroup:
+    """The control group(s) of one run: one directory under cgroup v2, or one per v1
+    hierarchy (memory, pids). The bootstrap joins them before it starts anything."""
+
+    dirs: tuple[Path, ...]
+
+    @classmethod
+    def create(cls, limits: Limits) -> ControlGroup | None:
+        """A fresh group capped at `limits`; None where this machine will not make one."""
+        name = f"relay-sandbox-{uuid.uuid4().hex[:12]}"
+        memory = str(limits.memory_mb * 1024 * 1024)
+        v2 = _v2_parent()
+        if v2 is not None:
+            settings = {"memory.max": memory, "memory.swap.max": "0"}
+            return cls._make([(v2 / name, {**settings, "pids.max": str(limits.processes)})])
+        v1 = {c: _v1_parent(c) for c in ("memory", "pids")}
+        if None in v1.values():
+            return None
+        memory_files = {"memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory}
+        return cls._make(
+            [
+                (v1["memory"] / name, memory_files),  # type: ignore[operator]
+                (v1["pids"] / name, {"pids.max": str(limits.processes)}),  # type: ignore[operator]
+            ]
+        )
+
+    @classmethod
+    def _make(cls, plan: list[tuple[Path, dict[str, str]]]) -> ControlGroup | None:
+        made: list[Path] = []
+        try:
+            for path, settings in plan:
+                path.mkdir()
+                made.append(path)
+                for file, value in settings.items():
+                    if (path / file).exists():  # memsw and swap.max exist only with swap
+                        (path / file).write_text(value)
+        except OSError:
+            ControlGroup(tuple(made)).destroy()
+            return None
+        return cls(tuple(made))
+
+    def destroy(self, timeout: float = 10.0) -> None:
+        """Kill whatever is left in the group and remove it (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        for path in self.dirs:
+            while path.exists():
+                try:
+                    members = (path / "cgroup.procs").read_text().split()
+                    for pid in members:
+                        _kill(int(pid))
+                    if not members:
+                        path.rmdir()
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+
+
+def control_group() -> str:
+    """Which per-run memory and process caps this machine gives: "cgroup v2", "cgroup v1" or
+    "none" (see the module docstring)."""
+    group = ControlGroup.create(Limits())
+    if group is None:
+        return "none"
+    group.destroy()
+    return "cgroup v2" if len(group.dirs) == 1 else "cgroup v1"
+
+
+def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
+    """(mount point, file system type, super options) of each cgroup mount."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        fstype, options = fields[fields.index("-") + 1], fields[-1]
+        if fstype in ("cgroup", "cgroup2"):
+            found.append((fields[4], fstype, set(options.split(","))))
+    return found
+
+
+def _own_cgroup(controller: str) -> str | None:
+    """This process's group path in the hierarchy of `controller` ("" for cgroup v2)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return path
+    return None
+
+
+def _v2_parent() -> Path | None:
+    """This process's cgroup v2 group, when memory and pids are enabled for its children."""
+    path = _own_cgroup("")
+    for mount, fstype, _ in _cgroup_mounts():
+        if fstype == "cgroup2" and path is not None:
+            parent = Path(mount) / path.lstrip("/")
+            try:
+                enabled = (parent / "cgroup.subtree_control").read_text().split()
+            except OSError:
+                return None
+            return parent if {"memory", "pids"} <= set(enabled) else None
+    return None
+
+
+def _v1_parent(controller: str) -> Path | None:
+    path = _own_cgroup(controller)
+    for mount, fstype, options in _cgroup_mounts():
+        if fstype == "cgroup" and controller in options and path is not None:
+            return Path(mount) / path.lstrip("/")
+    return None
+
+
 # The bootstrap: runs as `python -m rl.envs.code_repair.sandbox <spec>`, then becomes the
 # command.
 
@@ -187,11 +396,14 @@ def _check(ret: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def _mount(source: str | None, target: str, flags: int, fstype: str | None = None) -> None:
+def _mount(
+    source: str | None, target: str, flags: int, fstype: str | None = None, data: str = ""
+) -> None:
     def enc(text: str | None) -> bytes | None:
         return text.encode() if text is not None else None
 
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, None), f"mount {target}")
+    ret = _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data or None))
+    _check(ret, f"mount {target}")
 
 
 def _enter_namespaces(root: bool) -> None:
@@ -210,17 +422,14 @@ def _mount_flags(options: str) -> int:
     return sum(flag for name, flag in names.items() if name in options.split(","))
 
 
-def _read_only_except(workdir: str, view: str) -> None:
-    """Everything read-only but `workdir`, which appears (writable) at `view`."""
+def _read_only() -> None:
+    """Every file system read-only."""
     _mount(None, "/", MS_REC | MS_PRIVATE)
-    _mount(workdir, view, MS_BIND | MS_REC)
     mounts = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         mounts.append((fields[4], fields[5]))
     for target, options in mounts:
-        if target == view:
-            continue
         target = target.encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY | _mount_flags(options)
         try:
@@ -234,6 +443,50 @@ def _read_only_except(workdir: str, view: str) -> None:
 
 def _is_read_only(path: str) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+def _socket_paths() -> list[str]:
+    """The Unix sockets bound on this host's network namespace (read before leaving it)."""
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return [f[7] for f in (line.split() for line in lines) if len(f) > 7 and f[7][0] == "/"]
+
+
+def _hide_sockets(sockets: list[str]) -> None:
+    """Empty read-only tmpfs over the directories that hold sockets, /dev/null over the rest:
+    the network namespace does not cover sockets reached through the file system."""
+    for directory in HIDDEN_DIRS:
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            # /tmp stays writable until the working directory's mount point is made in it.
+            read_only = 0 if directory == "/tmp" else MS_RDONLY
+            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | read_only
+            _mount("tmpfs", directory, flags, "tmpfs", "size=16k,mode=0755")
+    for path in sockets:
+        try:
+            _mount("/dev/null", path, MS_BIND)
+        except OSError:
+            pass  # gone, or under a directory hidden above
+
+
+def _working_tmpfs(workdir: int, limits: dict[str, float], owner: int) -> None:
+    """A tmpfs capped at the run's disk bytes and inodes at VIEW, with a copy of the directory
+    open as `workdir` (directories, regular files and links only) owned by `owner`; /tmp
+    read-only again. The descriptor reaches the directory where its path, under /tmp for
+    example, is hidden now."""
+    os.mkdir(VIEW)
+    size = f"size={int(limits['disk_mb'])}m,nr_inodes={int(limits['inodes'])},mode=0755"
+    _mount("tmpfs", VIEW, MS_NOSUID | MS_NODEV, "tmpfs", size)
+    _mount(None, "/tmp", MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    shutil.copytree(
+        f"/proc/self/fd/{workdir}", VIEW, symlinks=True, dirs_exist_ok=True, ignore=_special_files
+    )
+    for path in [VIEW, *(str(p) for p in Path(VIEW).rglob("*"))]:
+        os.lchown(path, owner, owner)
+
+
+def _special_files(directory: str, names: list[str]) -> list[str]:
+    """Sockets, pipes and devices: not copied into the run."""
+    kinds = (os.path.isdir, os.path.isfile, os.path.islink)
+    return [n for n in names if not any(kind(os.path.join(directory, n)) for kind in kinds)]
 
 
 def _limit(limits: dict[str, float]) -> None:
@@ -250,14 +503,18 @@ def _limit(limits: dict[str, float]) -> None:
 
 
 def _bootstrap(spec: dict) -> int:
-    workdir, view, argv = spec["workdir"], spec["view"], spec["argv"]
+    for group in spec["cgroups"]:  # first: everything started from here on is counted
+        Path(group, "cgroup.procs").write_text(str(os.getpid()))
+    argv, limits = spec["argv"], spec["limits"]
     root = os.getuid() == 0
-    sandbox_uid = UID_BASE + os.getpid() % UID_SPAN
-    if root:
-        for path in [workdir, *(str(p) for p in Path(workdir).rglob("*"))]:
-            os.lchown(path, sandbox_uid, sandbox_uid)
+    sandbox_uid = UID_BASE + os.getpid() % UID_SPAN if root else 0
+    sockets = _socket_paths()
+    workdir = os.open(spec["workdir"], os.O_RDONLY | os.O_DIRECTORY)
     _enter_namespaces(root)
-    _read_only_except(workdir, view)
+    _read_only()
+    _hide_sockets(sockets)
+    _working_tmpfs(workdir, limits, sandbox_uid)
+    os.close(workdir)
     pid = os.fork()  # the first child is PID 1 of the new PID namespace
     if pid == 0:
         try:
@@ -265,18 +522,20 @@ def _bootstrap(spec: dict) -> int:
             _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
             # A /proc of the new PID namespace: the run sees its own processes only.
             _mount("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "proc")
-            os.chdir(view)
+            os.chdir(VIEW)
             if root:
                 os.setgroups([])
                 os.setgid(sandbox_uid)
                 os.setuid(sandbox_uid)
-            _limit(spec["limits"])
-            env = {"PATH": "/usr/bin:/bin", "HOME": view, "LANG": "C.UTF-8"}
+            _limit(limits)
+            os.dup2(spec["channel"], CHANNEL_FD)
+            env = {"PATH": "/usr/bin:/bin", "HOME": VIEW, "LANG": "C.UTF-8"}
             env["PYTHONDONTWRITEBYTECODE"] = "1"
             os.execvpe(argv[0], argv, env)
         except BaseException as err:  # noqa: BLE001 - report and leave the child now
             os.write(2, f"sandbox: {err}\n".encode())
         os._exit(126)
+    os.close(spec["channel"])
     signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)

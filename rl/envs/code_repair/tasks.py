@@ -170,6 +170,9 @@ class Task:
     """(path, buggy function, correct function): the edit that repairs the package."""
     tests: int
     failing_at_start: int
+    cases: tuple[tuple[str, str, Any], ...]
+    """(test name, call, expected value) of each test, as its test file spells them: what the
+    environment judges a run by, outside the sandbox."""
 
 
 @lru_cache(maxsize=16384)
@@ -187,7 +190,7 @@ def _draw(rng: random.Random) -> Task | None:
     modules = rng.sample(MODULES, 2)
     chosen = rng.sample(TEMPLATES, rng.randint(3, 4))
     buggy = rng.randrange(len(chosen))
-    sources, tests, fix = {m: [] for m in modules}, [], None
+    sources, tests, cases, fix = {m: [] for m in modules}, [], [], None
     failing = 0
     for i, template in enumerate(chosen):
         name, module = rng.choice(template.names), modules[i % 2]
@@ -206,6 +209,7 @@ def _draw(rng: random.Random) -> Task | None:
             if i == buggy and _outcome(wrong, args) != want:
                 failing += 1
             tests.append(_test(name, f"{name}_{t + 1}", args, want))
+            cases.append((f"test_{name}_{t + 1}", _call(name, args), want))
         sources[module].append(broken if i == buggy else source)
     if failing == 0 or fix is None:
         return None
@@ -216,7 +220,7 @@ def _draw(rng: random.Random) -> Task | None:
     files |= {f"{package}/{m}.py": "\n\n".join(s) for m, s in sources.items() if s}
     header = f"from {package} import {_names([s for m in modules for s in sources[m]])}"
     files[f"tests/test_{package}.py"] = header + "\n\n\n" + "\n\n".join(tests)
-    return Task(package, files, fix, len(tests), failing)
+    return Task(package, files, fix, len(tests), failing, tuple(cases))
 
 
 def _compile(source: str, name: str) -> Any:
@@ -244,8 +248,12 @@ def _distinguishing(
     return make(rng)
 
 
+def _call(name: str, args: tuple[Any, ...]) -> str:
+    return f"{name}({', '.join(map(repr, args))})"
+
+
 def _test(name: str, test_name: str, args: tuple[Any, ...], want: Any) -> str:
-    call = f"{name}({', '.join(map(repr, args))})"
+    call = _call(name, args)
     return (
         f"def test_{test_name}():\n    got = {call}\n"
         f'    assert got == {want!r}, f"{call.replace("{", "{{").replace("}", "}}")} '

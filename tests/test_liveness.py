@@ -1,0 +1,172 @@
+"""Hung roles are found and restarted: a stopped process, a server whose /health fails, while a
+live one is left alone (launcher/processes.py's Liveness, rl/runtime.py's Heartbeat).
+
+Each test starts a small real role process through the launcher's own `spawn` and watches it
+with `check_children`, as the local launcher and the Slurm supervisor do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from launcher.processes import Child, Liveness, RunFailed, check_children, spawn, stop_children
+from rl.rundir import RunDir
+from rl.testing import ROOT
+
+HUNG_S = 2.0
+# A role that beats from a thread and otherwise sleeps (like a trainer waiting for a batch).
+SLEEPER = """
+import sys, time
+from pathlib import Path
+from rl.runtime import start_heartbeat
+start_heartbeat(Path(sys.argv[1]), float(sys.argv[2]))
+time.sleep(300)
+"""
+# A server whose /health answers with the status code given: it beats only while that is 200.
+SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from rl.runtime import start_heartbeat, write_address
+
+run, hung_s, code = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ok" if code == 200 else "failed"}).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+start_heartbeat(run, hung_s)
+write_address(run, "server", "127.0.0.1", server.server_address[1])
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> RunDir:
+    run = RunDir(tmp_path)
+    run.logs.mkdir()
+    return run
+
+
+@pytest.fixture
+def started(run: RunDir) -> Iterator[list[Child]]:
+    children: list[Child] = []
+    yield children
+    stop_children(children)
+
+
+def start(run: RunDir, children: list[Child], name: str, code: str, *args: str) -> Child:
+    argv = [sys.executable, "-c", code, str(run.root), str(HUNG_S), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = spawn(name, "queue", argv, env, run.log(name))
+    children.append(child)
+    return child
+
+
+def watch(children: list[Child], liveness: Liveness, until: Callable[[], bool], for_s: float):
+    """Check the children as the launcher does until `until()` or `for_s` seconds pass."""
+    deadline = time.monotonic() + for_s
+    while not until() and time.monotonic() < deadline:
+        check_children(children, set(), max_restarts=1, liveness=liveness)
+        time.sleep(0.1)
+
+
+def beating(run: RunDir, name: str) -> Callable[[], bool]:
+    return lambda: bool(run.heartbeats_of(name))
+
+
+def test_a_stopped_role_is_killed_and_restarted(
+    run: RunDir, started: list[Child], capsys: pytest.CaptureFixture[str]
+) -> None:
+    liveness = Liveness(run, hung_s=HUNG_S, start_s=120.0)
+    child = start(run, started, "sleeper", SLEEPER)
+    watch(started, liveness, beating(run, "sleeper"), for_s=60)
+    first = child.proc.pid
+    os.killpg(first, signal.SIGSTOP)
+    watch(started, liveness, lambda: child.proc.pid != first, for_s=60)
+    assert child.proc.pid != first and child.restarts == 1
+    err = capsys.readouterr().err
+    assert "role sleeper hung: no sign of life for" in err
+    assert "(timeouts.hung_s=2); killing it" in err
+    assert "role sleeper hung (no sign of life for" in err and "restarting it (1 of 1)" in err
+    assert "--- hung (no sign of life for" in run.log("sleeper").read_text()
+
+
+def test_a_role_hung_past_its_restarts_fails_the_run_naming_it(
+    run: RunDir, started: list[Child]
+) -> None:
+    liveness = Liveness(run, hung_s=HUNG_S, start_s=120.0)
+    child = start(run, started, "sleeper", SLEEPER)
+    watch(started, liveness, beating(run, "sleeper"), for_s=60)
+    os.killpg(child.proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    with pytest.raises(RunFailed, match="role sleeper hung .* and was killed"):
+        while time.monotonic() < deadline:
+            check_children(started, set(), max_restarts=0, liveness=liveness)
+            time.sleep(0.1)
+
+
+def test_a_server_whose_health_fails_stops_beating_and_is_restarted(
+    run: RunDir, started: list[Child], capsys: pytest.CaptureFixture[str]
+) -> None:
+    liveness = Liveness(run, hung_s=HUNG_S, start_s=120.0)
+    child = start(run, started, "server", SERVER, "503")
+    watch(started, liveness, lambda: run.address_file("server").exists(), for_s=60)
+    first = child.proc.pid
+    watch(started, liveness, lambda: child.proc.pid != first, for_s=60)
+    assert child.proc.pid != first
+    assert "role server hung: no sign of life for" in capsys.readouterr().err
+
+
+def test_live_roles_are_left_alone(run: RunDir, started: list[Child]) -> None:
+    """A sleeping role and a healthy server, watched for several times `hung_s`, are neither
+    killed nor restarted."""
+    liveness = Liveness(run, hung_s=HUNG_S, start_s=120.0)
+    sleeper = start(run, started, "sleeper", SLEEPER)
+    server = start(run, started, "server", SERVER, "200")
+    watch(started, liveness, lambda: run.address_file("server").exists(), for_s=60)
+    pids = (sleeper.proc.pid, server.proc.pid)
+    watch(started, liveness, lambda: False, for_s=4 * HUNG_S)
+    assert (sleeper.proc.pid, server.proc.pid) == pids
+    assert sleeper.proc.poll() is None and server.proc.poll() is None
+    assert sleeper.restarts == server.restarts == 0
+    assert run.heartbeats_of("sleeper") and run.heartbeats_of("server")
+
+
+@pytest.mark.parametrize("transport", ["filesystem", "broadcast"])
+def test_waiting_for_weights_that_never_come_ends_naming_them(
+    tmp_path: Path, transport: str
+) -> None:
+    """The orchestrator's wait for the trainer's next version has a deadline
+    (`timeouts.weights_s`): past it, an error names the version and where it was awaited."""
+    import logging
+
+    from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemWaiter
+
+    run_dir = RunDir(tmp_path)
+    run_dir.weights.mkdir(parents=True)
+    if transport == "broadcast":
+        (run_dir.weights / "BROADCAST").write_text("3")
+        waiter = BroadcastRecordWaiter(tmp_path, timeout_s=0.3)
+    else:
+        waiter = FilesystemWaiter(tmp_path, None, logging.getLogger("test"), timeout_s=0.3)
+    with pytest.raises(TimeoutError, match=r"timeouts.weights_s\) for policy version 4 in"):
+        waiter.wait(minimum=4, held=3)
+    if transport == "broadcast":  # what has come is returned at once
+        (run_dir.weights / "BROADCAST").write_text("4")
+        assert waiter.wait(minimum=4, held=3) == 4
