@@ -61,6 +61,13 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     # Slurm reads 0 as "no limit" and starts a negative one anyway.
     ("cluster.time_min", lambda v: v >= 1, "must be >= 1 (minutes of wall time per job)"),
     ("cluster.signal_delay_s", lambda v: v >= 0, "must be >= 0"),
+    *(
+        (f"timeouts.{name}", _positive_number, "must be a positive number of seconds")
+        for name in ("request_s", "peer_s", "batch_s", "weights_s", "collective_s", "ready_s")
+    ),
+    # A heartbeat comes every hung_s / 10 (at most 1 s): shorter than 1 s cannot be told apart
+    # from a busy machine.
+    ("timeouts.hung_s", lambda v: math.isfinite(v) and v >= 1, "must be >= 1 (seconds)"),
 ]
 
 

@@ -266,6 +266,9 @@ def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:
         ("cluster.master_port=0", "cluster.master_port=0: must be 1 to 65535"),
         ("cluster.time_min=0", "cluster.time_min=0: must be >= 1"),
         ("cluster.time_min=-5", "cluster.time_min=-5: must be >= 1"),
+        ("timeouts.hung_s=-1", "timeouts.hung_s=-1.0: must be >= 1"),
+        ("timeouts.request_s=0", "timeouts.request_s=0.0: must be a positive number"),
+        ("timeouts.batch_s=nan", "timeouts.batch_s=nan: must be a positive number"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_name(override: str, message: str) -> None:

@@ -162,13 +162,18 @@ def test_weight_update_matches_embedded_engine(
     assert server.client.get("/admin/version").json() == {"policy_version": 1}
 
 
+IN_FLIGHT_COPIES = 32
+
+
 def in_flight_during(server: SimpleNamespace, swap: Callable[[], Any]) -> dict[str, Any]:
     """Run `swap` while a long request is in vLLM; that request's answer, checked complete."""
     result: dict[str, Any] = {}
 
+    # Long enough to outlast the half second below and the swap's checks on an idle machine
+    # (with 8 copies of the prompts it once finished first in CI).
     def long_request() -> None:
-        body = {"model": "tiny", "prompt": PROMPTS * 8, "n": 8, "max_tokens": 100,
-                "temperature": 1.0, "logprobs": 1}  # fmt: skip
+        body = {"model": "tiny", "prompt": PROMPTS * IN_FLIGHT_COPIES, "n": 8,
+                "max_tokens": 100, "temperature": 1.0, "logprobs": 1}  # fmt: skip
         result["response"] = server.client.post("/v1/completions", json=body)
 
     thread = threading.Thread(target=long_request)
@@ -179,7 +184,7 @@ def in_flight_during(server: SimpleNamespace, swap: Callable[[], Any]) -> dict[s
     response = result["response"]
     assert response.status_code == 200, response.text
     body = response.json()
-    assert len(body["choices"]) == len(PROMPTS) * 8 * 8
+    assert len(body["choices"]) == len(PROMPTS) * IN_FLIGHT_COPIES * 8
     return body
 
 
