@@ -21,10 +21,11 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
-    from launcher.errors import ConfigError, PlanError
+    from launcher.errors import ConfigError, PlanError, check_added_keys
     from launcher.run import launch
 
     try:
+        check_added_keys()
         launch(cfg)
     except (ConfigError, PlanError) as err:
         # SystemExit passes through Hydra's job wrapper without its multi-line report.

@@ -6,7 +6,12 @@ A leaf: every launcher module raises these, so this one imports none of them.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
+import sys
+import typing
+from functools import cache
 
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
@@ -46,5 +51,83 @@ def one_line(err: BaseException) -> str | None:
         head = text[0].strip() if text else type(err).__name__
         key = next((line for line in text if line.strip().startswith("full_key:")), "")
         key = key.split(":", 1)[1].strip() if key else ""
+        if re.match(r"Key '[^']+' not in '\w+'", head) and key:
+            return unknown_key(_given_key(key))
+        if head.startswith("Ambiguous value for argument"):
+            return (
+                f"{head}: to sweep over the values add -m (--multirun); for a list write "
+                "key=[a,b]; for a string with a comma, quote it"
+            )
         return f"{key}: {head}" if key and key not in head else head
     return None
+
+
+def unknown_key(key: str) -> str:
+    """`key: no such setting`, with the closest real one when there is one."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in schema_keys() if k.rpartition(".")[0] == parent}
+    if siblings:  # the group is right: compare the last part alone
+        match = [siblings[m] for m in difflib.get_close_matches(leaf, siblings, 1, 0.75)]
+    else:
+        match = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.75)
+    hint = f"; did you mean {match[0]}?" if match else " (uv run rl --help lists them)"
+    return f"{key}: no such setting{hint}"
+
+
+def _given_key(key: str) -> str:
+    """The whole key as typed on the command line that OmegaConf's `key` (where it stopped
+    recognising it) is the start of; `key` itself if none is."""
+    for arg in sys.argv[1:]:
+        typed = arg.lstrip("+~").split("=", 1)[0]
+        if typed == key or typed.startswith(f"{key}."):
+            return typed
+    return key
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the run's schema (rl/config.py's RunConfig and its groups)."""
+    return _schema()[0]
+
+
+def open_keys() -> list[str]:
+    """The schema's free-form dicts, where `+key.name=value` adds an entry."""
+    return _schema()[1]
+
+
+@cache
+def _schema() -> tuple[list[str], list[str]]:
+    from rl.config import RunConfig
+
+    keys: list[str] = []
+    dicts: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            key, kind = prefix + field.name, hints[field.name]
+            keys.append(key)
+            if typing.get_origin(kind) is dict:
+                dicts.append(key)
+            nested = [t for t in (kind, *typing.get_args(kind)) if dataclasses.is_dataclass(t)]
+            if nested:
+                walk(nested[0], f"{key}.")
+
+    walk(RunConfig, "")
+    return keys, dicts
+
+
+def check_added_keys() -> None:
+    """ConfigError for a `+key=value` that adds a key the schema does not have (Hydra adds it
+    silently, and nothing would read it). Adding to a free-form dict (`environment.args`,
+    `cluster.sbatch_extra`, `model.hf_config`) and choosing a config group are fine."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    for override in overrides:
+        key = override.key_or_group
+        if not override.is_add() or key in schema_keys() or _options(key):
+            continue
+        if any(key.startswith(f"{d}.") for d in open_keys()):
+            continue
+        raise ConfigError(f"{override.input_line}: {unknown_key(key).split(': ', 1)[1]}")

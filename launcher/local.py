@@ -183,17 +183,23 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         print("interrupted: stopping every role", file=sys.stderr, flush=True)
         stop_children(children)
         watch.save_wall_time()
+        print(resume_command(run), file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         stop_children(children)
         watch.save_wall_time()
+        print(resume_command(run), file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     stop_children(children)
     watch.save_wall_time()
     finish_run(cfg, run, read_records(run.metrics), watch.wall_time())
+
+
+def resume_command(run: RunDir) -> str:
+    return f"to resume at {run.resume_point()}: uv run rl resume={run.root}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import ConfigError
 from launcher.plan import format_plan, plan
-from rl.config import Action, ClusterKind
-from rl.rundir import CONFIG, TOKEN, RunDir
+from rl.config import Action, ClusterKind, RunConfig
+from rl.rundir import CONFIG, TOKEN, RunDir, write_atomic
 
 
 def launch(cfg: DictConfig) -> None:
@@ -18,7 +19,7 @@ def launch(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.resume:
         try:
-            resume(Path(cfg.resume))
+            resume(cfg, Path(cfg.resume))
         finally:
             _remove_if_empty(run_dir)
         return
@@ -57,35 +58,101 @@ def launch(cfg: DictConfig) -> None:
     run_local(cfg, run_plan)
 
 
-def resume(target: Path) -> None:
-    """Continue the run in `target` with the config it was started with."""
+RESUMABLE = ("max_steps", "max_restarts", "environment.eval_every", "trainer.checkpoint_every")
+"""Keys a resume may change (and every `wandb.*` and `timeouts.*`): how long the run goes on
+and how it is watched, never what it trains or how."""
+RESUMABLE_GROUPS = ("wandb.", "timeouts.")
+
+
+def resume(cfg: DictConfig, target: Path) -> None:
+    """Continue the run in `target` with the config it was started with, changed only by the
+    overrides given that `resumable` allows (a larger `max_steps` extends a finished run)."""
+    from launcher.report import read_records
+    from rl.records import is_train
     from rl.runtime import load_run_config
 
     run = RunDir(target)
-    others = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
-    if others:
-        raise ConfigError(
-            f"resume={target}: takes no other overrides (got {' '.join(others)}); the run "
-            f"continues with the config in its directory"
-        )
     if not run.is_run():
         raise ConfigError(f"resume={target}: not a run directory (no {CONFIG} and {TOKEN})")
-    if run.summary.exists():
-        raise ConfigError(f"resume={target}: the run has finished ({run.summary.name} is there)")
-    cfg = load_run_config(target)
-    run_plan = plan(cfg)
-    if cfg.cluster.kind == ClusterKind.slurm:
+    changes = _resume_changes(cfg, target)
+    saved = load_run_config(target)
+    trained = max((r["step"] for r in read_records(run.metrics) if is_train(r)), default=0)
+    steps = changes.get("max_steps", saved.max_steps)
+    if steps < trained:
+        raise ConfigError(
+            f"max_steps={steps}: the run in {target} has trained {trained} steps already"
+        )
+    if run.summary.exists() and steps <= trained:
+        raise ConfigError(
+            f"resume={target}: the run has finished its {trained} steps; to train on, give a "
+            f"larger max_steps (resume={target} max_steps={2 * trained})"
+        )
+    config = run.load_config()
+    changed = []
+    for key, value in changes.items():
+        if OmegaConf.select(config, key) != value:
+            changed.append(f"{key} {OmegaConf.select(config, key)} -> {value}")
+            OmegaConf.update(config, key, value, merge=False)
+    cfg_now = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), config))
+    run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
+    _check_ended(cfg_now, run)
+    if changed:
+        write_atomic(run.config, OmegaConf.to_yaml(config))
+        run.plan.write_text(run_plan.to_json())
+    for marker in (run.summary, run.complete):  # an extended run is open again
+        marker.unlink(missing_ok=True)
+    _say_where_it_resumes(run, steps, changed)
+    if cfg_now.cluster.kind == ClusterKind.slurm:
         from launcher.slurm import resubmit
 
-        resubmit(cfg, run_plan, run)
+        resubmit(cfg_now, run_plan, run)
         return
     from launcher.local import run_local
+
+    run_local(cfg_now, run_plan, resume=run)
+
+
+def _check_ended(cfg: Any, run: RunDir) -> None:
+    """ConfigError while any process (or Slurm job) of the run is still alive."""
+    if cfg.cluster.kind == ClusterKind.slurm:
+        from launcher.slurm import check_ended
+
+        check_ended(run)
+        return
     from launcher.setup import running_roles
 
     alive = running_roles(run)
     if alive:
-        raise ConfigError(f"resume={target}: the run is still running ({', '.join(alive)})")
-    run_local(cfg, run_plan, resume=run)
+        raise ConfigError(f"resume={run.root}: the run is still running ({', '.join(alive)})")
+
+
+def resumable(key: str) -> bool:
+    return key in RESUMABLE or key.startswith(RESUMABLE_GROUPS)
+
+
+def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
+    """The settings the command line changes, read from the composed `cfg` (so typed and
+    checked by the schema); ConfigError naming the first one a resume may not change."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+    changes = {}
+    for override in OverridesParser.create().parse_overrides(given):
+        key = override.key_or_group
+        if override.is_delete() or override.is_add() or not resumable(key):
+            raise ConfigError(
+                f"resume={target}: {override.input_line} cannot change on resume (it would "
+                f"change what the run trains); resume may change {', '.join(RESUMABLE)}, "
+                f"wandb.* and timeouts.*. To train on with other settings, start a new run from "
+                f"its weights: model.path={target}/weights/step_N"
+            )
+        changes[key] = OmegaConf.select(cfg, key)
+    return changes
+
+
+def _say_where_it_resumes(run: RunDir, steps: int, changed: list[str]) -> None:
+    note = f"; {', '.join(changed)}" if changed else ""
+    print(f"resuming {run.root} at {run.resume_point()} (of {steps}){note}", flush=True)
 
 
 def _remove_if_empty(run_dir: Path) -> None:

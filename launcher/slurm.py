@@ -152,8 +152,8 @@ def submit(cfg: DictConfig, run_plan: RunPlan) -> RunDir:
     return run
 
 
-def resubmit(cfg: DictConfig, run_plan: RunPlan, run: RunDir) -> None:
-    """Submit the jobs of an ended run again; its roles pick up from the run directory."""
+def check_ended(run: RunDir) -> None:
+    """ConfigError unless every job of the run has ended (before a resume changes anything)."""
     ids = read_jobs(run)
     states = job_states(list(ids.values()))
     live = [name for name, i in ids.items() if i in states and not ended(states[i].state)]
@@ -162,6 +162,11 @@ def resubmit(cfg: DictConfig, run_plan: RunPlan, run: RunDir) -> None:
             f"resume={run.root}: jobs {', '.join(live)} are still queued or running "
             f"(rl action=cancel run_dir={run.root} first)"
         )
+
+
+def resubmit(cfg: DictConfig, run_plan: RunPlan, run: RunDir) -> None:
+    """Submit the jobs of an ended run again; its roles pick up from the run directory."""
+    check_ended(run)
     partition = preflight(cfg, run_plan)
     run.end_submission()
     for marker in (*(run.done(role) for role in FINISHING_ROLES), run.complete):

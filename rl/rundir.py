@@ -305,6 +305,13 @@ class RunDir:
         steps = step_versions(self.checkpoints)
         return self.checkpoint_for(steps[-1]) if steps else None
 
+    def resume_point(self) -> str:
+        """Where a resume of this run starts, in words: the step after the newest checkpoint."""
+        steps = step_versions(self.checkpoints)
+        if not steps:
+            return "step 1: no checkpoint yet, so the warm-up runs again"
+        return f"step {steps[-1] + 1}, after checkpoint step_{steps[-1]}"
+
     @property
     def reference(self) -> Path:
         """The KL reference's weights (the policy RL started from)."""

@@ -86,7 +86,14 @@ def test_cfg_job_prints_composed_config() -> None:
     ("args", "expected"),
     [
         (["model=nope"], "model=nope: no such option; valid: glm5, minimax_m2, qwen3_0_6b"),
-        (["model.nope=1"], "model.nope: Key 'nope' not in 'ModelConfig'"),
+        (["model.nope=1"], "model.nope: no such setting (uv run rl --help lists them)"),
+        (["algoritm.lr=1"], "algoritm.lr: no such setting; did you mean algorithm.lr?"),
+        (["algorithm.lrr=1"], "algorithm.lrr: no such setting; did you mean algorithm.lr?"),
+        # Hydra adds a key with + silently, where nothing would read it.
+        (["+foo=1"], "+foo=1: no such setting"),
+        (["+max_step=9"], "+max_step=9: no such setting; did you mean max_steps?"),
+        # Hydra's own hint to sweep is kept, on the same line.
+        (["algorithm.lr=1e-4,3e-4"], "to sweep over the values add -m (--multirun)"),
         (["algorithm.lr=abc"], "algorithm.lr: Value 'abc'"),
         (["algorithm.loss=xx"], "expected one of [default, aipo, grpo, gspo, cispo]"),
         (

@@ -150,7 +150,16 @@ def test_a_role_that_keeps_dying_stops_the_run(tmp_path: Path, cache: Path) -> N
     assert_no_process_left(run_dir)
 
 
-def test_interrupted_run_resumes_with_continuous_history(tmp_path: Path, cache: Path) -> None:
+def resume(run_dir: Path, cache: Path, *overrides: str, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", f"resume={run_dir}", *overrides],
+        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_interrupted_run_resumes_with_continuous_history_and_extends(
+    tmp_path: Path, cache: Path
+) -> None:
     run_dir = tmp_path / "run"
     first = start(run_dir, cache)
     deadline = time.monotonic() + 600
@@ -158,22 +167,32 @@ def test_interrupted_run_resumes_with_continuous_history(tmp_path: Path, cache: 
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.1)
     first.send_signal(signal.SIGINT)  # Ctrl-C
-    first.communicate(timeout=60)
+    _, stderr = first.communicate(timeout=60)
     assert first.returncode == 130
     assert not (run_dir / "summary.json").exists()
-    # Resuming takes no other override: the run continues with the config it started with.
-    refused = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", f"resume={run_dir}", "max_steps=5"],
-        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert refused.returncode == 2 and "takes no other overrides" in refused.stderr
+    # Ctrl-C says how to resume, and where the run will pick up.
+    hint = re.search(r"to resume at step (\d+), after checkpoint step_(\d+): (.*)", stderr)
+    assert hint, stderr[-2000:]
+    assert int(hint.group(1)) == int(hint.group(2)) + 1 and int(hint.group(2)) in (40, 60)
+    assert hint.group(3) == f"uv run rl resume={run_dir}"
+    # A resume may change how long the run goes on, not what it trains; each refusal is one
+    # line, and changes nothing.
+    config = (run_dir / "config.yaml").read_text()
+    for override, message in [
+        ("algorithm.lr=0.1", "algorithm.lr=0.1 cannot change on resume"),
+        ("+environment.args.maxlen=9", "+environment.args.maxlen=9 cannot change on resume"),
+        ("+foo=1", "+foo=1: no such setting"),
+        ("max_steps=5", "max_steps=5: the run in"),
+    ]:
+        refused = resume(run_dir, cache, override)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert (run_dir / "config.yaml").read_text() == config
     t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", f"resume={run_dir}"],
-        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    out = resume(run_dir, cache, timeout=900)
     resumed_s = time.monotonic() - t0
     assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming {run_dir} at step {hint.group(1)}, after checkpoint" in out.stdout
     # The run's wall time counts both launches, not only the resumed one.
     assert json.loads((run_dir / "summary.json").read_text())["wall_s"] > resumed_s
     assert f"run directory: {run_dir}" in out.stdout
@@ -184,6 +203,16 @@ def test_interrupted_run_resumes_with_continuous_history(tmp_path: Path, cache: 
         if "eval/exact_match" in r
     ]
     assert evals == [0, 30, 60]  # each version evaluated once, across both launches
+    assert (run_dir / "summary.json").exists()
+    # A finished run goes on only with more steps: then it trains them, each once.
+    done = resume(run_dir, cache)
+    assert done.returncode == 2 and f"has finished its {STEPS} steps" in done.stderr
+    more = resume(run_dir, cache, f"max_steps={STEPS + 4}", timeout=900)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert f"max_steps {STEPS} -> {STEPS + 4}" in more.stdout
+    assert trained_steps(run_dir) == list(range(1, STEPS + 5))
+    trainer = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"continuing at step {STEPS + 1}" in trainer
     assert (run_dir / "summary.json").exists()
     assert_no_process_left(run_dir)
 
