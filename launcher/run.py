@@ -69,15 +69,14 @@ def resume(cfg: DictConfig, target: Path) -> None:
     overrides given that `resumable` allows (a larger `max_steps` extends a finished run)."""
     from launcher.report import read_records
     from rl.records import is_train
-    from rl.runtime import load_run_config
 
     run = RunDir(target)
     if not run.is_run():
         raise ConfigError(f"resume={target}: not a run directory (no {CONFIG} and {TOKEN})")
     changes = _resume_changes(cfg, target)
-    saved = load_run_config(target)
+    config = run.load_config()
     trained = max((r["step"] for r in read_records(run.metrics) if is_train(r)), default=0)
-    steps = changes.get("max_steps", saved.max_steps)
+    steps = changes.get("max_steps", config.max_steps)
     if steps < trained:
         raise ConfigError(
             f"max_steps={steps}: the run in {target} has trained {trained} steps already"
@@ -87,7 +86,6 @@ def resume(cfg: DictConfig, target: Path) -> None:
             f"resume={target}: the run has finished its {trained} steps; to train on, give a "
             f"larger max_steps (resume={target} max_steps={2 * trained})"
         )
-    config = run.load_config()
     changed = []
     for key, value in changes.items():
         if OmegaConf.select(config, key) != value:

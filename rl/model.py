@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.config import ModelConfig
-from rl.rundir import is_complete, mark_complete
+from rl.rundir import fsync_path, is_complete, mark_complete
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.ascii_lowercase + string.digits + " .,:;!?'-\n"
@@ -291,20 +291,11 @@ def publish_weights(
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for file in sorted(tmp.rglob("*")):
-        _fsync(file)
+        fsync_path(file)
     mark_complete(tmp, sync=True)
-    _fsync(tmp)
+    fsync_path(tmp)
     tmp.rename(target)
-    _fsync(target.parent)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's (its entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(target.parent)
 
 
 def _hf_name(key: str) -> str:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import heapq
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -34,6 +33,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from rl import wire
 from rl.auth import bearer_guard
 from rl.records import INT64_MAX, Group, RecordError
+from rl.rundir import write_atomic
 
 MAX_WORLD = 65536
 """Most trainer ranks a batch is sharded across; more is refused (400), not attempted."""
@@ -112,17 +112,7 @@ class Marks:
 
     def write(self, path: Path) -> None:
         """Replace `path` with these marks, durably (file and directory fsynced)."""
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(asdict(self)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        write_atomic(path, json.dumps(asdict(self)), durable=True)
 
 
 class Store:

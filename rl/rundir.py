@@ -58,11 +58,25 @@ def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE).exists()
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `path` through a temporary file renamed into place: readers never see half."""
+def write_atomic(path: Path, text: str, durable: bool = False) -> None:
+    """Write `path` through a temporary file renamed into place: readers never see half. With
+    `durable`, the file and then its directory are fsynced: the new text survives a crash."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     tmp.write_text(text)
+    if durable:
+        fsync_path(tmp)
     tmp.rename(path)
+    if durable:
+        fsync_path(path.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
