@@ -1,14 +1,14 @@
 """The local launcher: every role a child process in its own process group on this machine.
 
 It writes the run directory, starts the roles from the plan, waits for each server to be
-ready, shows progress from metrics.jsonl, and tears everything down together: on success, on
-Ctrl-C, and as soon as any role dies (naming it and showing its last log lines). Only our own
+ready, shows progress and logs to wandb as metrics.jsonl grows (launcher/tracking.py), and
+tears everything down together: on success, on Ctrl-C, and as soon as any role dies (naming
+it and showing its last log lines), writing summary.json with how it ended. Only our own
 process groups are signalled, by id (launcher/processes.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.plan import RunPlan
+from launcher.plan import RunPlan, plan_header
 from launcher.processes import (
     FINISHING_ROLES,
     Child,
@@ -28,9 +28,9 @@ from launcher.processes import (
     spawn,
     stop_children,
 )
-from launcher.report import finish_run, read_records
+from launcher.report import finish_run, sweep_group
 from launcher.setup import prepare_run_dir
-from rl.records import is_eval, is_train
+from launcher.tracking import Follow
 from rl.rundir import RunDir, write_atomic
 
 WALL_EVERY_S = 5.0  # how often the run's wall time so far is saved (for a resume's summary)
@@ -51,54 +51,6 @@ def record_pids(run: RunDir, children: list[Child]) -> None:
     """Each child leads its own process group (pgid == pid): recorded for audits, tests, and
     to refuse resuming a run that is still running."""
     run.write_pids({c.name: c.proc.pid for c in children})
-
-
-class Progress:
-    """Prints one line per trainer step and per eval from metrics.jsonl as they appear."""
-
-    def __init__(self, metrics: Path, max_steps: int) -> None:
-        self.metrics, self.max_steps = metrics, max_steps
-        self.offset = 0
-        self.last_eval: float | None = None
-        self.records: list[dict] = []
-
-    def skip_existing(self) -> None:
-        """Show only what is recorded from now on (a resumed run's history is on disk)."""
-        if self.metrics.exists():
-            self.offset = self.metrics.stat().st_size
-
-    def poll(self) -> None:
-        if not self.metrics.exists():
-            return
-        if self.metrics.stat().st_size < self.offset:  # a resumed trainer dropped records
-            self.offset = self.metrics.stat().st_size
-        with open(self.metrics) as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete)
-        for line in complete.splitlines():
-            record = json.loads(line)
-            self.records.append(record)
-            text = self.format(record)
-            if text:
-                print(text, flush=True)
-
-    def format(self, r: dict) -> str | None:
-        """The line for a train or eval record (None for any other kind)."""
-        if is_eval(r):
-            self.last_eval = r["eval/exact_match"]
-            return (
-                f"eval  @ version {r['step']:>3}: exact_match {r['eval/exact_match']:.3f}  "
-                f"reward {r['eval/reward/mean']:.3f}"
-            )
-        if not is_train(r):
-            return None
-        return (
-            f"step {r['step']:>3}/{self.max_steps}  reward {r['reward/mean']:.3f}  "
-            f"loss {r['loss']:+.4f}  samples/s {r['throughput/samples_per_s']:.0f}  "
-            f"staleness {r['off_policy/staleness_max']}  step {r['time/step']:.2f}s"
-        )
 
 
 class Watch:
@@ -151,16 +103,15 @@ def wait_ready(run_plan: RunPlan, run: RunDir, watch: Watch) -> None:
         print(f"ready: {name}", flush=True)
 
 
-def supervise(run_plan: RunPlan, run: RunDir, watch: Watch, progress: Progress) -> None:
+def supervise(run_plan: RunPlan, run: RunDir, watch: Watch, follow: Follow) -> None:
     """Wait for the servers, then restart roles that die or hang and show progress until the
     trainer and orchestrator have finished."""
     wait_ready(run_plan, run, watch)
     finishing = {c.name for c in watch.children if c.role in FINISHING_ROLES}
     while watch.done != finishing:
         watch.check()
-        progress.poll()
+        follow.poll()
         time.sleep(0.2)
-    progress.poll()
 
 
 def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) -> None:
@@ -170,32 +121,43 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         run, token = prepare_run_dir(cfg, run_plan)
     else:
         run, token = resume, resume.token()
+    print(plan_header(run_plan, cfg), flush=True)
     print(f"run directory: {run.root}", flush=True)
-    progress = Progress(run.metrics, cfg.max_steps)
-    if resume is not None:
-        progress.skip_existing()
+    follow = Follow(cfg, run, echo=True, group=sweep_group())
     children = start_children(run_plan, run, token)
     watch = Watch(cfg, run, children)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        supervise(run_plan, run, watch, progress)
+        supervise(run_plan, run, watch, follow)
     except KeyboardInterrupt:
         print("interrupted: stopping every role", file=sys.stderr, flush=True)
-        stop_children(children)
-        watch.save_wall_time()
-        print(resume_command(run), file=sys.stderr, flush=True)
+        _end(cfg, run, children, watch, follow, "interrupted")
         raise SystemExit(130) from None
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        stop_children(children)
-        watch.save_wall_time()
-        print(resume_command(run), file=sys.stderr, flush=True)
+        _end(cfg, run, children, watch, follow, "failed")
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+    _end(cfg, run, children, watch, follow, "finished")
+
+
+def _end(
+    cfg: DictConfig,
+    run: RunDir,
+    children: list[Child],
+    watch: Watch,
+    follow: Follow,
+    status: str,
+) -> None:
+    """Stop every role, log what is left, and write the run's summary; a run that did not
+    finish also gets the command that resumes it."""
     stop_children(children)
     watch.save_wall_time()
-    finish_run(cfg, run, read_records(run.metrics), watch.wall_time())
+    mode = follow.close(exit_code=0 if status == "finished" else 1)
+    finish_run(cfg, run, watch.wall_time(), mode, status)
+    if status != "finished":
+        print(resume_command(run), file=sys.stderr, flush=True)
 
 
 def resume_command(run: RunDir) -> str:

@@ -544,13 +544,20 @@ def plan(cfg: DictConfig) -> RunPlan:
     )
 
 
-def format_plan(p: RunPlan, cfg: DictConfig | None = None) -> str:
-    """The plan as a readable table for `dry_run=true`."""
-    lines = [
-        f"run {p.run_name} on cluster={p.cluster}: trainer world {p.trainer_world_size} "
+def plan_header(p: RunPlan, cfg: DictConfig) -> str:
+    """The plan in one line: what runs where, how long, with what learning rate."""
+    return (
+        f"run {p.run_name} on cluster={p.cluster}: {cfg.max_steps} steps of "
+        f"{p.batch_size} samples, trainer world {p.trainer_world_size} "
         f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
-        f"lr {p.lr:g}, batch {p.batch_size} samples/step, inference backend {p.backend}",
-    ]
+        f"lr {p.lr:g}, inference backend {p.backend} x{len(p.role('inference'))}, "
+        f"async_level {cfg.algorithm.async_level}, warm-up {cfg.warmup.steps} steps"
+    )
+
+
+def format_plan(p: RunPlan, cfg: DictConfig) -> str:
+    """The plan as a readable table for `dry_run=true`."""
+    lines = [plan_header(p, cfg)]
     if p.jobs:
         lines.append("")
         header = f"{'job':<10} {'nodes':>5} {'gpus/node':>9} {'cpus':>5} {'mem':>7} {'time':>6}"
@@ -561,9 +568,8 @@ def format_plan(p: RunPlan, cfg: DictConfig | None = None) -> str:
                 f"{j.name:<10} {j.nodes:>5} {j.gpus_per_node:>9} {j.cpus_per_task:>5} "
                 f"{j.mem_gb:>5}GB {j.time_min:>5}m  {where}"
             )
-        if cfg is not None:
-            for j in p.jobs:
-                lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
+        for j in p.jobs:
+            lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
     lines.append("")
     lines.append(f"{'process':<20} {'job':<10} {'nodes':>5} {'gpus/node':>9}  command")
     for proc in p.processes:

@@ -1,4 +1,5 @@
-"""End of a run: the reward/eval plot, the wandb run, and a summary for the terminal.
+"""End of a run: the reward/eval plot, summary.json, and the result for the terminal (the
+wandb run is logged while the run goes on: launcher/tracking.py).
 
 The local launcher and a Slurm run's control job both finish a run this way; it reads and
 writes only the run directory (rl/rundir.py), so it imports no launcher module.
@@ -7,24 +8,27 @@ writes only the run directory (rl/rundir.py), so it imports no launcher module.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rl.config import RunConfig
-from rl.records import is_eval, is_train
-from rl.rundir import RunDir, read_jsonl
+from rl.records import is_eval, is_train, kind_of
+from rl.rundir import RunDir, read_jsonl, write_atomic
+
+LAST_STEPS = 10
+"""A run's final train reward is the mean over this many last steps (one step is noisy)."""
 
 
-def plot(records: list[dict], target: Path) -> None:
+def plot(records: list[dict], target: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if is_train(r)]
-    evals = [r for r in records if is_eval(r)]
+    train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
+    evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward")
     ax.plot(
@@ -36,6 +40,7 @@ def plot(records: list[dict], target: Path) -> None:
     ax.plot(
         [r["step"] for r in evals], [r["eval/exact_match"] for r in evals], "s-", label="eval exact"
     )
+    ax.set_title(title, fontsize=9)
     ax.set_xlabel("trainer step (policy version)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -43,33 +48,6 @@ def plot(records: list[dict], target: Path) -> None:
     fig.tight_layout()
     fig.savefig(target, dpi=100)
     plt.close(fig)
-
-
-def log_wandb(cfg: DictConfig | RunConfig, run: RunDir, records: list[dict]) -> str:
-    """Log the run's metrics to wandb: online with an API key, offline without one."""
-    mode = cfg.wandb.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    mode = os.environ.get("WANDB_MODE", mode)
-    if mode == "disabled":
-        return mode
-    os.environ.setdefault("WANDB_SILENT", "true")
-    import wandb
-
-    # A role supervisor holds the typed RunConfig the run directory's config loads as.
-    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    wandb_run = wandb.init(
-        project=cfg.wandb.project,
-        group=cfg.wandb.group or sweep_group(),
-        name=f"{cfg.name}-{run.root.name}",
-        dir=str(run.root),
-        mode=mode,
-        config=config,  # type: ignore[arg-type]
-    )
-    # Eval lines can land after later train lines; wandb needs steps in order.
-    for record in sorted(records, key=lambda r: r["step"]):
-        numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
-        wandb_run.log(numbers, step=record["step"])
-    wandb_run.finish()
-    return mode
 
 
 def sweep_group() -> str | None:
@@ -87,27 +65,61 @@ def sweep_group() -> str | None:
 
 def read_records(metrics: Path) -> list[dict]:
     """The run's metrics records; a step a resumed trainer ran again counts once (its last
-    record), as does an eval of the same policy version."""
-    latest: dict[tuple[bool, int], dict] = {}
+    record), as does an eval of the same policy version, and each kind of record apart."""
+    latest: dict[tuple[str, int], dict] = {}
     for record in read_jsonl(metrics):
-        latest[(is_eval(record), record["step"])] = record
+        latest[(kind_of(record), record["step"])] = record
     return list(latest.values())
 
 
-def finish_run(
-    cfg: DictConfig | RunConfig, run: RunDir, records: list[dict], wall_s: float
-) -> None:
-    """Plot, log to wandb, write summary.json and print the eval result."""
-    if records:
-        plot(records, run.reward_plot)
-    mode = log_wandb(cfg, run, records)
-    evals = [r for r in records if is_eval(r)]
-    summary = {"wall_s": round(wall_s, 1), "wandb": mode}
+def read_summary(run: RunDir) -> dict[str, Any]:
+    """The run's summary.json ({} before the run has ended)."""
+    try:
+        return json.loads(run.summary.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def summarize(
+    run: RunDir, records: list[dict], wall_s: float, status: str, wandb: str
+) -> dict[str, Any]:
+    """What summary.json says of a run: how it ended, what it was started with, how far it
+    got, its last rewards and its mean pace (a sweep's table compares these)."""
+    train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
+    evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
+    summary: dict[str, Any] = {
+        "status": status,
+        "overrides": run.overrides(),
+        "steps": train[-1]["step"] if train else 0,
+        "wall_s": round(wall_s, 1),
+        "wandb": wandb,
+    }
+    if train:
+        last = train[-LAST_STEPS:]
+        summary["reward/last"] = sum(r["reward/mean"] for r in last) / len(last)
+        for key in ("throughput/tokens_per_s", "throughput/samples_per_s"):
+            summary[f"{key}/mean"] = sum(r[key] for r in train) / len(train)
     if evals:
         summary["eval/exact_match/first"] = evals[0]["eval/exact_match"]
         summary["eval/exact_match/last"] = evals[-1]["eval/exact_match"]
-    run.summary.write_text(json.dumps(summary, indent=2))
-    if evals:
+        summary["eval/reward/last"] = evals[-1]["eval/reward/mean"]
+    return summary
+
+
+def finish_run(
+    cfg: DictConfig | RunConfig,
+    run: RunDir,
+    wall_s: float,
+    wandb: str,
+    status: str = "finished",
+) -> None:
+    """Plot, write summary.json and, for a run that finished, print the eval result."""
+    records = read_records(run.metrics)
+    if records:
+        plot(records, run.reward_plot, f"{cfg.name}: {run.root}")
+    write_atomic(run.summary, json.dumps(summarize(run, records, wall_s, status, wandb), indent=2))
+    evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
+    if evals and status == "finished":
         print(
             f"done in {wall_s:.0f} s: eval exact_match {evals[0]['eval/exact_match']:.3f} "
             f"(version {evals[0]['step']}) -> {evals[-1]['eval/exact_match']:.3f} "

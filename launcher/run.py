@@ -67,7 +67,7 @@ RESUMABLE_GROUPS = ("wandb.", "timeouts.")
 def resume(cfg: DictConfig, target: Path) -> None:
     """Continue the run in `target` with the config it was started with, changed only by the
     overrides given that `resumable` allows (a larger `max_steps` extends a finished run)."""
-    from launcher.report import read_records
+    from launcher.report import read_records, read_summary
     from rl.records import is_train
 
     run = RunDir(target)
@@ -81,7 +81,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
         raise ConfigError(
             f"max_steps={steps}: the run in {target} has trained {trained} steps already"
         )
-    if run.summary.exists() and steps <= trained:
+    if read_summary(run).get("status") == "finished" and steps <= trained:
         raise ConfigError(
             f"resume={target}: the run has finished its {trained} steps; to train on, give a "
             f"larger max_steps (resume={target} max_steps={2 * trained})"
@@ -97,6 +97,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     if changed:
         write_atomic(run.config, OmegaConf.to_yaml(config))
         run.plan.write_text(run_plan.to_json())
+        run.add_overrides([f"{key}={value}" for key, value in changes.items()])
     for marker in (run.summary, run.complete):  # an extended run is open again
         marker.unlink(missing_ok=True)
     _say_where_it_resumes(run, steps, changed)

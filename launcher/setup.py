@@ -22,6 +22,7 @@ def prepare_run_dir(cfg: DictConfig, run_plan: RunPlan) -> tuple[RunDir, str]:
     run = RunDir(Path(HydraConfig.get().runtime.output_dir).resolve())
     token = secrets.token_hex(16)
     run.create(cfg, token, run_plan.to_json())
+    run.add_overrides(list(HydraConfig.get().overrides.task))
     return run, token
 
 

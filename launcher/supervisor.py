@@ -34,7 +34,8 @@ from launcher.processes import (
     spawn,
     stop_children,
 )
-from launcher.report import finish_run, read_records
+from launcher.report import finish_run
+from launcher.tracking import Follow
 from rl.rundir import RunDir
 from rl.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
 
@@ -112,6 +113,7 @@ class NodeSupervisor:
         self.bad_since: dict[str, float] = {}
         timeouts = self.cfg.timeouts
         self.liveness = Liveness(rundir, timeouts.hung_s, timeouts.ready_s)
+        self.follow: Follow | None = None  # the control job logs the run's metrics live
         rundir.control.mkdir(exist_ok=True)
 
     # --- start -----------------------------------------------------------------------------
@@ -287,10 +289,12 @@ class NodeSupervisor:
         self.rundir.complete.touch()
         return True
 
-    def report(self) -> None:
-        records = read_records(self.rundir.metrics)
+    def report(self, status: str = "finished") -> None:
+        """Log what is left to wandb, end the wandb run and write the run's summary."""
+        mode = self.follow.close(exit_code=0 if status == "finished" else 1) if self.follow else ""
+        self.follow = None
         started = self.rundir.config.stat().st_mtime
-        finish_run(self.cfg, self.rundir, records, time.time() - started)
+        finish_run(self.cfg, self.rundir, time.time() - started, mode, status)
 
     def run(self) -> None:
         previous = signal.signal(signal.SIGTERM, self._terminated)
@@ -303,14 +307,20 @@ class NodeSupervisor:
         finally:
             stop_children(self.children)
             signal.signal(signal.SIGTERM, previous)
+            if self.follow is not None:  # the run failed, or this job stops for a requeue
+                self.report("failed" if self.rundir.failure.exists() else "stopped")
 
     def supervise(self) -> None:
         """Wait for the other jobs, start this node's roles and watch until the run ends."""
         peers = self.peers()
         self.wait_for_peers(peers)
         self.start()
+        if self.job == "control":
+            self.follow = Follow(self.cfg, self.rundir, echo=True)
         last_peer_check = time.monotonic()
         while True:
+            if self.follow is not None:
+                self.follow.poll()
             self.check_failure()
             if self.finished(self.check_children()):
                 self.log.info("this node's part of the run is over")

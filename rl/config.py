@@ -454,6 +454,9 @@ class WandbConfig:
     """`online`, `offline` or `disabled`; None: online with an API key, else offline."""
     group: str | None = None
     """Run group (a sweep sets it)."""
+    flush_s: float = 2.0
+    """Seconds between writes of the wandb run's file in the run directory: what a watcher
+    sees live, and the most a crash can lose."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ from rl.config import TimeoutsConfig
 from rl.derive import max_model_len
 from rl.envs import Environment, Example, make_environment
 from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
-from rl.records import EvalRecord, Group, Sample, is_eval
+from rl.records import EvalRecord, Group, RolloutRecord, Sample, is_eval
 from rl.rundir import RunDir
 from rl.runtime import (
     Peer,
@@ -254,6 +254,7 @@ class Episode:
         self.turns: list[str] = []
         self.text = ""
         self.versions: list[int] = []
+        self.finish_reason = "stop"
         self.done = False
 
     def add_model_turn(self, choice: dict[str, Any]) -> None:
@@ -262,6 +263,7 @@ class Episode:
         self.turns.append(choice["text"])
         self.text += choice["text"]
         self.versions += [choice["policy_version"], choice["policy_version_max"]]
+        self.finish_reason = choice["finish_reason"]
 
     def add_env_turn(self, text: str, ids: list[int]) -> None:
         self.env_spans.append([len(self.ids), len(self.ids) + len(ids)])
@@ -280,6 +282,7 @@ class Episode:
             "env_spans": self.env_spans,
             "policy_version": min(self.versions),
             "policy_version_max": max(self.versions),
+            "finish_reason": self.finish_reason,
         }
 
 
@@ -336,6 +339,18 @@ def opening(env: Environment, tokenizer: Any, example: Example) -> list[int]:
 
 def _respond(env: Environment, episode: Episode) -> str | None:
     return env.respond(episode.example, episode.turns)
+
+
+def rollout_record(
+    step: int, choices: list[dict[str, Any]], gen_s: float, load_s: float
+) -> RolloutRecord:
+    """Batch `step`'s numbers: how long it took and how long the model's answers were."""
+    lengths = [
+        len(c["token_ids"]) - sum(end - begin for begin, end in c.get("env_spans") or [])
+        for c in choices
+    ]
+    truncated = sum(c["finish_reason"] == "length" for c in choices)
+    return RolloutRecord(step + 1, gen_s, load_s, lengths, truncated)
 
 
 def no_signal(group: Group) -> bool:
@@ -442,18 +457,20 @@ class Orchestrator:
         gen_s = time.monotonic() - t0
         groups = [g for _, _, g in kept]
         groups[0].samples[0].filtered_groups = filtered
+        choices = [c for _, mine, _ in kept for c in mine]
+        # Recorded before the push, so it precedes the train record of the step it feeds.
+        record = rollout_record(step, choices, gen_s, self.weights.load_s)
+        self.run_dir.append_metrics(record.to_json())
+        self.weights.load_s = 0.0
         self.push(groups, step)
         self.save_rollouts(step, *kept[0])
         self.log.info(
-            "batch %d generated with version %s in %.2f s (%d groups, %d filtered, "
-            "started %.3f, ended %.3f)",
+            "batch %d generated with version %s in %.2f s (%d groups, %d filtered)",
             step,
             sorted(versions),
             gen_s,
             len(groups),
             filtered,
-            t0,
-            t0 + gen_s,
         )
 
     def push(self, groups: list[Group], step: int) -> None:

@@ -8,8 +8,9 @@
   ids in 0..2**31-1 (int32, not negative; the vocabulary size is the model's business),
   finite logprobs, a non-empty prompt and completion, and versions in 0..2**63-1 (they are
   stored as SQLite integers) with min <= max and every sample's inside its group's.
-- `TrainRecord` and `EvalRecord` are the lines of metrics.jsonl. Every line carries `kind`
-  (`train` or `eval`), which is how readers tell them apart.
+- `TrainRecord`, `EvalRecord`, `RolloutRecord` and `WarmupRecord` are the lines of
+  metrics.jsonl. Every line carries `kind` (`train`, `eval`, `rollout` or `warmup`), which is
+  how readers tell them apart; a reader skips kinds it does not show.
 
 Torch-free, and numpy only for the arrays a decoded message holds.
 """
@@ -37,6 +38,8 @@ class RecordError(ValueError):
 class RecordKind(StrEnum):
     train = "train"
     eval = "eval"
+    rollout = "rollout"
+    warmup = "warmup"
 
 
 def is_train(record: dict[str, Any]) -> bool:
@@ -45,6 +48,10 @@ def is_train(record: dict[str, Any]) -> bool:
 
 def is_eval(record: dict[str, Any]) -> bool:
     return record.get("kind") == RecordKind.eval
+
+
+def kind_of(record: dict[str, Any]) -> str:
+    return str(record.get("kind", ""))
 
 
 def _is_int(value: Any) -> bool:
@@ -328,3 +335,55 @@ class TrainRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": RecordKind.train.value, "step": self.step, **self.metrics}
+
+
+@dataclass
+class RolloutRecord:
+    """The orchestrator's side of one batch (a line of metrics.jsonl), under the number of the
+    trainer step that trains on it: batch N is step N + 1's."""
+
+    step: int
+    """The trainer step this batch feeds."""
+    generate_s: float
+    """Seconds to generate and score the batch (refill rounds included)."""
+    weight_load_s: float
+    """Seconds spent loading new weights into inference since the previous batch (0 when the
+    trainer broadcasts them: its `time/weight_sync` covers that)."""
+    lengths: list[int]
+    """Tokens the model generated in each completion (its own turns only)."""
+    truncated: int
+    """Completions cut at `max_tokens` rather than ended by the model."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": RecordKind.rollout.value,
+            "step": self.step,
+            "time/generate": self.generate_s,
+            "time/weight_load": self.weight_load_s,
+            "response/length_mean": sum(self.lengths) / max(len(self.lengths), 1),
+            "response/length_max": max(self.lengths, default=0),
+            "response/truncated": self.truncated / max(len(self.lengths), 1),
+        }
+
+
+@dataclass
+class WarmupRecord:
+    """Progress of the trainer's supervised warm-up (a line of metrics.jsonl)."""
+
+    step: int
+    """Warm-up steps done."""
+    steps: int
+    """Warm-up steps in all."""
+    loss: float
+    """The latest warm-up step's cross-entropy."""
+    elapsed_s: float
+    """Seconds since the warm-up began."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": RecordKind.warmup.value,
+            "step": self.step,
+            "warmup/steps": self.steps,
+            "warmup/loss": self.loss,
+            "warmup/elapsed_s": self.elapsed_s,
+        }

@@ -6,9 +6,12 @@ the run's state here, on a shared filesystem on a cluster:
     config.yaml            the resolved run config (written once by the launcher)
     plan.json              the RunPlan: processes, jobs and the values derived for them
     token                  the run's bearer token (mode 0600)
+    overrides.json         the command-line overrides it was started (and resumed) with
     pids.json              local launcher: each role's process group id
     metrics.jsonl          one record per line, each with a `kind` (rl/records.py)
-    summary.json, reward.png   written when the run ends
+    metrics.followed       how far the launcher has shown and logged metrics.jsonl
+    wandb_id, wandb/       the run's wandb run (logged live by the launcher)
+    summary.json, reward.png   written when the run ends (status: finished, failed, ...)
     logs/<process>.log     each process's output
     addresses/<name>.json  where a role's server listens (written once it listens)
     queue.sqlite           the rollout queue's store (and its -wal file)
@@ -167,6 +170,20 @@ class RunDir:
 
     def token(self) -> str:
         return self.token_file.read_text().strip()
+
+    @property
+    def overrides_file(self) -> Path:
+        return self.root / "overrides.json"
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides the run was started with (and resumed with, after)."""
+        try:
+            return json.loads(self.overrides_file.read_text())
+        except FileNotFoundError:
+            return []
+
+    def add_overrides(self, overrides: list[str]) -> None:
+        write_atomic(self.overrides_file, json.dumps(self.overrides() + overrides))
 
     def load_config(self) -> Any:
         """The config as written (not re-validated: rl.runtime.load_run_config does that)."""

@@ -28,7 +28,7 @@ from rl.derive import learning_rate, trainer_dims
 from rl.envs import Example, make_environment
 from rl.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
 from rl.packing import packed_logprobs
-from rl.records import BatchShard, Sample, TrainRecord, is_train
+from rl.records import BatchShard, Sample, TrainRecord, WarmupRecord, is_train
 from rl.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.runtime import (
     CHECKPOINT_ON_TERM_ENV,
@@ -208,8 +208,11 @@ class Trainer:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if step % 10 == 0 or step == cfg.steps - 1:
+            if step % 10 == 9 or step == cfg.steps - 1:
                 self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
+                if self.rank == 0:  # the launcher shows warm-up progress from these
+                    done = WarmupRecord(step + 1, cfg.steps, loss.item(), time.monotonic() - t0)
+                    self.run_dir.append_metrics(done.to_json())
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
     def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
@@ -455,11 +458,18 @@ class Trainer:
             batch = self.fetch(http, queue, step)
             t_fetch = time.monotonic() - t0
             stats = self.train_step(batch.samples, batch.micro_batches)
+            t_train = time.monotonic() - t0 - t_fetch
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
+            times = {
+                "time/step": elapsed,
+                "time/wait_batch": t_fetch,
+                "time/train": t_train,
+                "time/weight_sync": elapsed - t_fetch - t_train,
+            }
             whole = self.whole_batch(batch.samples)  # a collective: every rank takes part
             if self.rank == 0:  # recorded before the checkpoint that covers it
-                self.record(step, batch, whole, stats, elapsed, t_fetch)
+                self.record(step, batch, whole, stats, times)
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
                 self.checkpoint(step + 1)
         self.checkpoint(cfg.max_steps)
@@ -481,13 +491,13 @@ class Trainer:
         batch: BatchShard,
         samples: list[Sample],
         stats: dict[str, float],
-        elapsed: float,
-        t_fetch: float,
+        times: dict[str, float],
     ) -> None:
         """Append step `step + 1`'s record: the loss numbers of this rank's `stats` (already
-        whole-batch sums), the rest from the whole batch's `samples`."""
+        whole-batch sums), the step's `times`, the rest from the whole batch's `samples`."""
         staleness = [step - s.min_version for s in samples]
         tokens = sum(s.tokens for s in samples)
+        elapsed = times["time/step"]
         record = {
             "reward/mean": sum(s.reward for s in samples) / len(samples),
             "loss": stats["loss"],
@@ -507,10 +517,11 @@ class Trainer:
             "micro_batches": len(batch.micro_batches),
             "versions": sorted({s.min_version for s in samples}),
             "samples": len(samples),
-            "time/step": elapsed,
-            "time/wait_batch": t_fetch,
+            **times,
             "throughput/tokens_per_s": tokens / elapsed,
             "throughput/samples_per_s": len(samples) / elapsed,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            **memory_metrics(self.device),
             "timestamp": time.time(),
             **env_metrics(samples),
         }
@@ -521,9 +532,18 @@ class Trainer:
             record["reward/mean"],
             record["loss"],
             record["off_policy/staleness_max"],
-            t_fetch,
+            times["time/wait_batch"],
             elapsed,
         )
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """This process's resident memory, and the most GPU memory torch has held, in GB."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    found = {"memory/rss_gb": pages * os.sysconf("SC_PAGE_SIZE") / 1e9}
+    if device.type == "cuda":
+        found["memory/gpu_max_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return found
 
 
 def main() -> None:

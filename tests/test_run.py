@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from launcher.setup import group_alive
-from rl.records import is_train
+from rl.records import is_eval, is_train
 from rl.rollout_queue import Store
 from rl.rundir import RunDir
 from rl.testing import ROOT
@@ -85,30 +86,112 @@ def assert_no_process_left(run_dir: Path) -> None:
     assert not processes_of(run_dir), f"left behind: pids {processes_of(run_dir)}"
 
 
-def test_run_directory_and_metrics(tmp_path: Path, cache: Path) -> None:
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows in the run's offline wandb file, read as it stands (a log of 32 KiB
+    blocks whose records are 7-byte headers and protobuf chunks; a torn tail is left out)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, block, pos, pending, rows = path.read_bytes(), 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        if left < 7 or (length, kind) == (0, 0):  # the block's zero padding
+            pos += left
+            continue
+        if pos + 7 + length > len(data):
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
+    return rows
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [row["step"] for row in wandb_history(run_dir) if "reward/mean" in row]
+
+
+def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> None:
+    """A whole run: its directory, its metrics, its console, and its wandb run, which grows
+    while the run goes on (read mid-run) rather than being written at the end."""
     run_dir = tmp_path / "run"
-    records = run_to_end(run_dir, cache, "max_steps=6", WANDB_MODE="offline")
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval/exact_match" in r]
-    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    launcher = subprocess.Popen(
+        rl_command(run_dir, "max_steps=20"),
+        cwd=ROOT,
+        env=child_env(cache, WANDB_MODE="offline"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        seen: list[int] = []
+        while not seen:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "no step logged to wandb within 300 s"
+            time.sleep(0.2)
+            if list(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+                seen = logged_steps(run_dir)
+        assert launcher.poll() is None  # still running: logged as it went
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert_no_process_left(run_dir)
+    assert seen == list(range(1, len(seen) + 1)) and len(seen) < 20
+    assert logged_steps(run_dir) == list(range(1, 21))
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if is_train(r)]
+    evals = [r for r in records if is_eval(r)]
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    assert [r["step"] for r in train] == list(range(1, 21))
     keys = ("reward/mean", "loss", "entropy", "mismatch_kl", "off_policy/staleness_max",
-            "time/step", "throughput/tokens_per_s")  # fmt: skip
+            "time/step", "time/train", "time/weight_sync", "throughput/tokens_per_s", "lr",
+            "memory/rss_gb")  # fmt: skip
     for record in train:
-        assert all(key in record for key in keys)
+        assert all(key in record for key in keys), set(keys) - set(record)
         assert 0.0 <= record["reward/mean"] <= 1.0
         assert record["samples"] == 8 * 4
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 6
+        assert record["lr"] == pytest.approx(3e-4)  # model=tiny's, algorithm.lr unset
+        assert record["memory/rss_gb"] > 0.1
+    assert [r["step"] for r in rollouts] == list(range(1, 21))
+    for record in rollouts:
+        assert 1 <= record["response/length_mean"] <= record["response/length_max"] <= 12
+        assert 0.0 <= record["response/truncated"] <= 1.0 and record["time/generate"] > 0
+    assert [r["step"] for r in records if r["kind"] == "warmup"] == [5]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 20
     assert all("eval/reward/mean" in r for r in evals)
+
+    assert "\nrun reverse_text-tiny on cluster=local: 20 steps of 32 samples" in stdout
+    lines = stdout.splitlines()
+    assert any(x.startswith("warm-up   5/5  loss ") for x in lines)
+    step_lines = [x for x in lines if x.startswith("step ")]
+    assert len(step_lines) == 20 and all(" tok/s  gen " in x for x in step_lines)
+    assert "ETA " in step_lines[-1] and " since version " in stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 20
+    assert "max_steps=20" in summary["overrides"]
+    assert 0.0 <= summary["reward/last"] <= 1.0
     for name in ("config.yaml", "plan.json", "reward.png", "summary.json", "token"):
         assert (run_dir / name).exists(), name
     assert oct((run_dir / "token").stat().st_mode & 0o777) == "0o600"
     for role in ("queue", "orchestrator", "inference-0", "trainer"):
         assert (run_dir / "logs" / f"{role}.log").stat().st_size > 0
-    assert (run_dir / "weights" / "step_6" / "COMPLETE").exists()
-    assert (run_dir / "checkpoints" / "step_6" / "COMPLETE").exists()
-    rollouts = (run_dir / "rollouts" / "samples.jsonl").read_text().splitlines()
-    assert {"prompt", "completion", "reward"} <= set(json.loads(rollouts[0]))
-    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert (run_dir / "weights" / "step_20" / "COMPLETE").exists()
+    assert (run_dir / "checkpoints" / "step_20" / "COMPLETE").exists()
+    rollout_samples = (run_dir / "rollouts" / "samples.jsonl").read_text().splitlines()
+    assert {"prompt", "completion", "reward"} <= set(json.loads(rollout_samples[0]))
 
 
 @pytest.mark.parametrize(
@@ -235,6 +318,7 @@ def test_killing_a_role_without_restarts_ends_the_run(
     assert code == 1
     assert f"role {role} exited with code -9" in stderr
     assert_no_process_left(tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 
 
 def test_a_launcher_killed_outright_takes_its_roles_with_it(tmp_path: Path, cache: Path) -> None:
@@ -254,4 +338,7 @@ def test_ctrl_c_stops_every_role(tmp_path: Path, cache: Path) -> None:
     code, stderr = interrupt_training(tmp_path / "run", cache, "launcher", signal.SIGINT)
     assert code == 130
     assert "interrupted" in stderr
+    assert f"uv run rl resume={tmp_path / 'run'}" in stderr
     assert_no_process_left(tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] >= 1

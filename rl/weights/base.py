@@ -37,6 +37,10 @@ class WeightPublisher(ABC):
 class VersionWaiter(ABC):
     """The orchestrator's end: waits until inference serves a new enough policy."""
 
+    load_s: float = 0.0
+    """Seconds spent loading weights into inference, summed until the orchestrator takes it
+    for a batch's record (stays 0 where the trainer sends the weights itself)."""
+
     @abstractmethod
     def wait(self, minimum: int, held: int) -> int:
         """Block until every server holds a version >= `minimum` (`held` is what they held

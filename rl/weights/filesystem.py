@@ -57,11 +57,13 @@ class FilesystemWaiter(VersionWaiter):
             return held
         t0 = time.monotonic()
         self.inference.load_weights(self.run_dir.weights_for(newest), newest)
+        seconds = time.monotonic() - t0
+        self.load_s += seconds
         self.log.info(
             "loaded version %d into inference (waited %.2f s, load %.2f s)",
             newest,
             t0 - started,
-            time.monotonic() - t0,
+            seconds,
         )
         return newest
 

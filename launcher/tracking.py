@@ -1,0 +1,206 @@
+"""What a run shows while it goes on: metrics.jsonl followed as the roles append to it, each
+record logged to wandb as it appears, and a console line per warm-up stretch, step and eval.
+
+One process tracks a run: the local launcher, or a Slurm run's control job. There is one wandb
+run per Relay run; its id is kept in the run directory, so a resumed run (local or requeued)
+logs on into the same wandb run. Every record goes to wandb against the `step` axis (the
+policy version); warm-up records against `warmup/step`. Offline without `WANDB_API_KEY`,
+online with one, off with `WANDB_MODE=disabled`; a crash leaves everything logged so far.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import os
+import time
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rl.records import RecordKind, kind_of
+from rl.rundir import RunDir, write_atomic
+
+ETA_WINDOW = 20
+"""Steps the ETA's pace is taken over."""
+
+
+class MetricsTail:
+    """The complete lines appended to metrics.jsonl since the last `read`. How far it has
+    read is kept in the run directory, so that whoever follows the run next (a resumed or
+    requeued launch) starts where this one stopped."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.metrics, self.mark = run.metrics, run.root / "metrics.followed"
+        try:
+            self.offset = int(self.mark.read_text())
+        except (FileNotFoundError, ValueError):
+            self.offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        if self.metrics.stat().st_size < self.offset:  # a resumed trainer dropped records
+            self.offset = self.metrics.stat().st_size
+        with open(self.metrics, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        if complete:
+            self.offset += len(complete)
+            write_atomic(self.mark, str(self.offset))
+        return [json.loads(line) for line in complete.splitlines()]
+
+
+def wandb_mode(cfg: Any) -> str:
+    mode = cfg.wandb.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return os.environ.get("WANDB_MODE", mode)
+
+
+class Tracker:
+    """The run's wandb run, logged to record by record."""
+
+    def __init__(self, cfg: Any, run: RunDir, group: str | None = None) -> None:
+        self.mode = wandb_mode(cfg)
+        self.wandb_run: Any = None
+        if self.mode == "disabled":
+            return
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        id_file = run.root / "wandb_id"
+        if not id_file.exists():
+            write_atomic(id_file, secrets.token_hex(6))
+        # A Slurm job's supervisor holds the typed RunConfig the run directory loads as.
+        config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        self.wandb_run = wandb.init(
+            project=cfg.wandb.project,
+            group=cfg.wandb.group or group,
+            name=f"{cfg.name}-{run.root.name}",
+            id=id_file.read_text().strip(),
+            resume="allow",
+            dir=str(run.root),
+            mode=self.mode,
+            config=config,  # type: ignore[arg-type]
+            settings=wandb.Settings(x_transaction_log_flush_interval=cfg.wandb.flush_s),
+        )
+        # Eval and rollout records arrive out of step order: each names its step instead.
+        self.wandb_run.define_metric("step")
+        self.wandb_run.define_metric("*", step_metric="step")
+        self.wandb_run.define_metric("warmup/step")
+        self.wandb_run.define_metric("warmup/*", step_metric="warmup/step")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.wandb_run is None:
+            return
+        numbers = {
+            k: v
+            for k, v in record.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "timestamp"
+        }
+        if kind_of(record) == RecordKind.warmup:
+            numbers["warmup/step"] = numbers.pop("step")
+        self.wandb_run.log(numbers)
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=exit_code)
+            self.wandb_run = None
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Console:
+    """One plain line per warm-up stretch, trainer step and eval (fit for a log file as much
+    as a terminal): each step with its pace (tokens/s, ETA) and where its time went
+    (generation, training, weight sync); each eval with its change and its noise."""
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self.rollouts: dict[int, dict[str, Any]] = {}
+        self.step_times: list[tuple[int, float]] = []  # (step, seen at) for the ETA
+        self.last_eval: dict[str, Any] | None = None
+
+    def line(self, record: dict[str, Any]) -> str | None:
+        kind = kind_of(record)
+        if kind == RecordKind.rollout:
+            self.rollouts[record["step"]] = record
+            return None
+        if kind == RecordKind.warmup:
+            return (
+                f"warm-up {record['step']:>3}/{record['warmup/steps']}  "
+                f"loss {record['warmup/loss']:.3f}  {_duration(record['warmup/elapsed_s'])}"
+            )
+        if kind == RecordKind.eval:
+            return self.eval_line(record)
+        if kind == RecordKind.train:
+            return self.step_line(record)
+        return None
+
+    def eta(self, step: int) -> str:
+        self.step_times.append((step, time.monotonic()))
+        window = self.step_times[-ETA_WINDOW:]
+        if len(window) < 2 or window[-1][0] <= window[0][0]:
+            return "ETA ?"
+        per_step = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+        return f"ETA {_duration(per_step * (self.max_steps - step))}"
+
+    def step_line(self, r: dict[str, Any]) -> str:
+        rollout = self.rollouts.pop(r["step"], {})
+        sync = r.get("time/weight_sync", 0.0) + rollout.get("time/weight_load", 0.0)
+        times = [f"train {r.get('time/train', r['time/step']):.2f}s", f"sync {sync:.2f}s"]
+        if rollout:
+            times.insert(0, f"gen {rollout['time/generate']:.2f}s")
+        return (
+            f"step {r['step']:>3}/{self.max_steps}  reward {r['reward/mean']:.3f}  "
+            f"loss {r['loss']:+.4f}  {r['throughput/tokens_per_s']:,.0f} tok/s  "
+            f"{'  '.join(times)}  staleness {r['off_policy/staleness_max']}  "
+            f"{self.eta(r['step'])}"
+        )
+
+    def eval_line(self, r: dict[str, Any]) -> str:
+        """The exact match with its standard error over the held-out prompts, and the change
+        since the previous eval, so that a drop within the noise reads as such."""
+        exact, n = r["eval/exact_match"], max(r.get("eval/samples", 1), 1)
+        noise = math.sqrt(exact * (1 - exact) / n)
+        change = ""
+        if self.last_eval is not None:
+            delta = exact - self.last_eval["eval/exact_match"]
+            change = f" ({delta:+.3f} since version {self.last_eval['step']})"
+        self.last_eval = r
+        return (
+            f"eval  @ version {r['step']:>3}: exact_match {exact:.3f} ±{noise:.3f} of {n}"
+            f"{change}  reward {r['eval/reward/mean']:.3f}"
+        )
+
+
+class Follow:
+    """Follows a run's metrics: logs each new record to wandb and, with `echo`, prints its
+    console line. `poll` often while the run goes on; `close` once it has ended."""
+
+    def __init__(self, cfg: Any, run: RunDir, echo: bool, group: str | None = None) -> None:
+        self.tail = MetricsTail(run)
+        self.console = Console(cfg.max_steps)
+        self.echo = echo
+        self.tracker = Tracker(cfg, run, group)
+
+    def poll(self) -> None:
+        for record in self.tail.read():
+            self.tracker.log(record)
+            text = self.console.line(record)
+            if text and self.echo:
+                print(text, flush=True)
+
+    def close(self, exit_code: int = 0) -> str:
+        """Log what is left and end the wandb run; returns its mode."""
+        self.poll()
+        self.tracker.finish(exit_code)
+        return self.tracker.mode
