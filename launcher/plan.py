@@ -27,7 +27,7 @@ from rl.derive import (
     max_model_len,
     trainer_dims,
 )
-from rl.envs import REGISTRY as ENVIRONMENTS
+from rl.envs import locate as locate_environment
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
 # fp32 gradients (4 B) and two AdamW moments (8 B).
@@ -412,8 +412,10 @@ def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: i
 def plan(cfg: DictConfig) -> RunPlan:
     """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key."""
     check_ranges(cfg)
-    if cfg.environment.name not in ENVIRONMENTS:
-        _fail(f"environment.name={cfg.environment.name}", f"valid: {', '.join(ENVIRONMENTS)}")
+    try:
+        locate_environment(cfg.environment.name)  # built in, or an installed package's
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     if cfg.max_steps < 1:
         _fail(f"max_steps={cfg.max_steps}", "must be >= 1")
     if cfg.environment.group_size < 2:

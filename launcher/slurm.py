@@ -21,8 +21,8 @@ from omegaconf import DictConfig, open_dict
 from launcher.errors import ConfigError
 from launcher.plan import RunPlan, sbatch_parameters
 from launcher.processes import FINISHING_ROLES
-from launcher.report import read_records, sweep_group
-from launcher.setup import prepare_run_dir
+from launcher.report import read_records, read_summary, sweep_group
+from launcher.setup import prepare_run_dir, running_roles
 from launcher.slurm_cli import (
     JobState,
     Partition,
@@ -37,6 +37,8 @@ from launcher.slurm_cli import (
     write_jobs,
 )
 from launcher.supervisor import JobRoles
+from launcher.sweep import write_sweep_summary
+from launcher.tracking import ETA_WINDOW, duration
 from rl.records import is_eval, is_train
 from rl.rundir import CONFIG, RunDir
 
@@ -178,6 +180,8 @@ def _submit_jobs(cfg: DictConfig, run_plan: RunPlan, run: RunDir, partition: str
     """Submit every job held, record the ids, release them together; on any failure cancel
     what was submitted and raise ConfigError."""
     ids: dict[str, str] = {}
+    point = run.root.name.split("-", 1)[0]  # a sweep point's number names its jobs too
+    run_name = f"{run_plan.run_name}-{point}" if point.isdigit() else run_plan.run_name
     try:
         for job in run_plan.jobs:
             executor = submitit.SlurmExecutor(
@@ -185,7 +189,7 @@ def _submit_jobs(cfg: DictConfig, run_plan: RunPlan, run: RunDir, partition: str
             )
             extra = {"hold": True, **job.sbatch_extra}
             executor.update_parameters(
-                **sbatch_parameters(job, run_plan.run_name, cfg), additional_parameters=extra
+                **sbatch_parameters(job, run_name, cfg), additional_parameters=extra
             )
             ids[job.name] = executor.submit(JobRoles(str(run.root), job.name)).job_id
         write_jobs(run, partition, ids)
@@ -199,28 +203,52 @@ def _submit_jobs(cfg: DictConfig, run_plan: RunPlan, run: RunDir, partition: str
         raise
     print(f"run directory: {run.root}")
     for name, job_id in ids.items():
-        print(f"submitted job {job_id}: {run_plan.run_name}-{name} (partition {partition})")
-    print(f"status: rl action=status run_dir={run.root}")
-
-
-def latest_records(run: RunDir) -> tuple[dict | None, dict | None]:
-    """The newest train record and the newest eval record in metrics.jsonl."""
-    records = read_records(run.metrics)
-    return _newest([r for r in records if is_train(r)]), _newest([r for r in records if is_eval(r)])
+        print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")
+    print(f"logs: {run.logs}/ (roles), {run.root / 'slurm'}/<job>/ (each job's supervisor)")
+    print(f"status: uv run rl action=status run_dir={run.root}")
 
 
 def _newest(records: list[dict]) -> dict | None:
     return max(records, key=lambda r: r["step"]) if records else None
 
 
+def run_state(run: RunDir) -> str:
+    """running, finished, failed, interrupted (nothing of it alive and no end recorded), or for
+    a Slurm run still in its jobs' hands, submitted."""
+    if run.complete.exists():
+        return "finished"
+    if read_jobs(run):
+        return "failed" if failure_reason(run) is not None else "submitted"
+    if running_roles(run):
+        return "running"
+    return read_summary(run).get("status", "interrupted")
+
+
+def eta(run: RunDir, train: list[dict], max_steps: int) -> str:
+    """Time left at the pace of the last steps recorded (their timestamps)."""
+    last = sorted(train, key=lambda r: r["step"])[-ETA_WINDOW:]
+    if len(last) < 2 or last[-1]["step"] <= last[0]["step"]:
+        return ""
+    pace = (last[-1]["timestamp"] - last[0]["timestamp"]) / (last[-1]["step"] - last[0]["step"])
+    return f", ETA {duration(pace * (max_steps - last[-1]['step']))}"
+
+
 def format_status(run: RunDir) -> str:
-    """The run's jobs, its latest step and eval, and how it ended, for `action=status`."""
-    lines = [f"run {run.root}", *_job_lines(read_jobs(run))]
-    train, evaluation = latest_records(run)
+    """The run's state, jobs, latest step and eval, how it ended, and where its logs are, for
+    `action=status`."""
+    state = run_state(run)
+    lines = [f"run {run.root}: {state}", *_job_lines(read_jobs(run))]
+    records = read_records(run.metrics)
+    train, evaluation = (
+        _newest([r for r in records if is_train(r)]),
+        _newest([r for r in records if is_eval(r)]),
+    )
     if train:
         max_steps = run.load_config().max_steps
+        pace = eta(run, [r for r in records if is_train(r)], max_steps)
         lines.append(
             f"  latest step {train['step']}/{max_steps}: reward {train['reward/mean']:.3f}"
+            f"{pace if state in ('running', 'submitted') else ''}"
         )
     else:
         lines.append("  no trainer step yet")
@@ -234,6 +262,11 @@ def format_status(run: RunDir) -> str:
     reason = failure_reason(run)
     if reason is not None:
         lines.append(f"  ended: {reason}")
+    if state in ("interrupted", "failed", "stopped") and not read_jobs(run):
+        lines.append(f"  resume at {run.resume_point()}: uv run rl resume={run.root}")
+    lines.append(f"  logs: {run.logs}/")
+    if read_jobs(run):
+        lines.append(f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out")
     return "\n".join(lines)
 
 
@@ -255,23 +288,27 @@ def _job_lines(ids: dict[str, str]) -> list[str]:
 
 
 def find_run(cfg: DictConfig, here: Path) -> RunDir:
-    """The run `run_dir` names, or the newest run directory named like this run."""
+    """The run `run_dir` names, or the newest run of any name under the outputs folder
+    (`here` is the run directory Hydra chose for this command, two levels below it)."""
     if cfg.run_dir:
         run = RunDir(Path(cfg.run_dir))
         if not run.config.exists():
             raise ConfigError(f"run_dir={cfg.run_dir}: not a run directory (no {CONFIG})")
         return run
-    runs = [
-        RunDir(p.parent)
-        for root in (here.parent, here.parent.parent / f"{cfg.name}-sweep")
-        for p in root.glob(f"**/{CONFIG}")
-    ]
+    outputs = here.parent.parent
+    runs = [RunDir(p.parent) for p in outputs.glob(f"**/{CONFIG}")]
     if not runs:
-        raise ConfigError(f"name={cfg.name}: no run found under {here.parent}; pass run_dir=")
+        raise ConfigError(f"no run found under {outputs}; pass run_dir=")
     return max(runs, key=lambda run: run.config.stat().st_mtime)
 
 
 def status(cfg: DictConfig, here: Path) -> None:
+    """The run's status; for a sweep directory, its comparison table (written anew)."""
+    if cfg.run_dir and not RunDir(Path(cfg.run_dir)).config.exists():
+        table = write_sweep_summary(Path(cfg.run_dir))
+        if table is not None:
+            print(table.read_text())
+            return
     print(format_status(find_run(cfg, here)))
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 import os
+import secrets
 import time
 from typing import Any
 
@@ -109,7 +109,7 @@ class Tracker:
             self.wandb_run = None
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = max(0, round(seconds))
     if seconds < 60:
         return f"{seconds}s"
@@ -137,7 +137,7 @@ class Console:
         if kind == RecordKind.warmup:
             return (
                 f"warm-up {record['step']:>3}/{record['warmup/steps']}  "
-                f"loss {record['warmup/loss']:.3f}  {_duration(record['warmup/elapsed_s'])}"
+                f"loss {record['warmup/loss']:.3f}  {duration(record['warmup/elapsed_s'])}"
             )
         if kind == RecordKind.eval:
             return self.eval_line(record)
@@ -151,7 +151,7 @@ class Console:
         if len(window) < 2 or window[-1][0] <= window[0][0]:
             return "ETA ?"
         per_step = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
-        return f"ETA {_duration(per_step * (self.max_steps - step))}"
+        return f"ETA {duration(per_step * (self.max_steps - step))}"
 
     def step_line(self, r: dict[str, Any]) -> str:
         rollout = self.rollouts.pop(r["step"], {})

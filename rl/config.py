@@ -473,7 +473,7 @@ class RunConfig:
     """Group `environment`: the task."""
     cluster: ClusterConfig = MISSING
     """Group `cluster`: this machine or Slurm."""
-    name: str = "${environment.name}-${model.name}"
+    name: str = "${relay_env_id:${environment}}-${model.name}"
     """Run name (the run directory and wandb run are named after it)."""
     seed: int = 0
     """Global seed."""
@@ -506,11 +506,29 @@ class RunConfig:
     """Deadlines of every wait."""
 
 
+def environment_id(environment: Any) -> str:
+    """What a run is named after: the environment's own id where it has one (a verifiers
+    environment's `args.id`), else the environment's name."""
+    args = environment.get("args") or {}
+    found = args.get("id") if hasattr(args, "get") else None
+    return str(found) if found else str(environment.name)
+
+
+def dirname(text: str) -> str:
+    """`text` fit to be one directory's name (a sweep point's overrides)."""
+    safe = "".join(c if c.isalnum() or c in "=,.-_+" else "_" for c in text)
+    return safe[:200] or "defaults"
+
+
 def register() -> None:
-    """Register the schema in Hydra's ConfigStore under the name conf/config.yaml extends."""
+    """Register the schema in Hydra's ConfigStore under the name conf/config.yaml extends, and
+    the resolvers it uses."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="relay_schema", node=RunConfig)
+    OmegaConf.register_new_resolver("relay_env_id", environment_id, replace=True)
+    OmegaConf.register_new_resolver("relay_dirname", dirname, replace=True)
 
 
 # Each role's entry point (`python -m <module> --run-dir ...`).

@@ -172,3 +172,19 @@ def test_every_experiment_preset_composes_and_plans() -> None:
         "arithmetic",
         0,
     )
+
+
+def test_runs_are_named_after_the_environments_identity() -> None:
+    """A verifiers run is named after the environment it loads, not `verifiers`."""
+    assert compose_run().name == "reverse_text-tiny"
+    cfg = compose_run("environment=verifiers", "environment.args.id=reverse_text_env")
+    assert cfg.name == "reverse_text_env-tiny"
+    assert compose_run("environment=verifiers").name == "verifiers-tiny"  # no id given yet
+
+
+def test_sweep_points_are_named_after_their_overrides() -> None:
+    from rl.config import dirname
+
+    assert dirname("algorithm.lr=0.001,max_steps=4") == "algorithm.lr=0.001,max_steps=4"
+    assert dirname("model.path=/data/w/step_4") == "model.path=_data_w_step_4"  # one level
+    assert dirname("") == "defaults"

@@ -342,3 +342,26 @@ def test_ctrl_c_stops_every_role(tmp_path: Path, cache: Path) -> None:
     assert_no_process_left(tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] >= 1
+
+
+def test_a_two_point_sweep_writes_a_comparison(tmp_path: Path, cache: Path) -> None:
+    """`rl -m` over two learning rates: point directories named after their overrides, each
+    summary with its overrides, and at the end one table and one plot comparing them."""
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "-m", *SMALL, "max_steps=2",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}", "algorithm.lr=1e-3,3e-4"],
+        cwd=ROOT, env=child_env(cache, WANDB_MODE="disabled"), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    points = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert [p.split(",")[0] for p in points] == ["0-algorithm.lr=0.001", "1-algorithm.lr=0.0003"]
+    for point, lr in zip(points, ("0.001", "0.0003"), strict=True):
+        summary = json.loads((tmp_path / "sweep" / point / "summary.json").read_text())
+        assert f"algorithm.lr={lr}" in summary["overrides"]
+        assert summary["status"] == "finished" and summary["steps"] == 2
+    table = (tmp_path / "sweep" / "sweep_summary.md").read_text().splitlines()
+    rows = [x for x in table if x.startswith("| 0-") or x.startswith("| 1-")]
+    assert len(rows) == 2 and "`algorithm.lr=0.001`" in rows[0] and "| finished | 2 |" in rows[0]
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 10_000
+    assert f"sweep summary: {tmp_path / 'sweep' / 'sweep_summary.md'}" in out.stdout

@@ -213,6 +213,12 @@ def test_sweep_submits_one_complete_run_per_point(tmp_path: Path) -> None:
         assert wandb_group and "None" not in wandb_group[0] and "null" not in wandb_group[0]
     first, second = (json.dumps(read_records(r / "metrics.jsonl")) for r in runs)
     assert first != second  # two learning rates, two trajectories
+    # Each point's jobs carry its number; the sweep's status is its comparison table.
+    assert "reverse_text-tiny-0-control" in result.stdout
+    assert "reverse_text-tiny-1-control" in result.stdout
+    status = rl(tmp_path, "action=status", f"run_dir={runs[0].parent}")
+    assert status.stdout.count("| finished | 10 |") == 2, status.stdout + status.stderr
+    assert (runs[0].parent / "sweep.png").exists()
 
 
 @needs_slurm
@@ -232,8 +238,10 @@ def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
     array_logs = sorted(sweep.glob(".submitit/*_*/*_log.out"))
     assert len(array_logs) == 2  # one array task per point
     for point in ("0", "1"):
-        assert train_steps(sweep / point) == list(range(1, 11))
-        assert (sweep / point / "summary.json").exists()
+        (run_dir,) = sweep.glob(f"{point}-*")  # named after its overrides
+        assert train_steps(run_dir) == list(range(1, 11))
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+    assert (sweep / "sweep_summary.md").read_text().count("| finished | 10 |") == 2
 
 
 @needs_slurm

@@ -17,9 +17,14 @@ way to forge; training on it would teach exactly that, so it stops the run with 
 Shaping that callers add afterwards (the orchestrator's length penalty) is not the
 environment's reward and is not checked here.
 
-`make_environment(cfg.environment)` picks one from the registry the `environment` config
-group selects from; modules are imported on demand, so one environment's dependencies never
-slow down another's start.
+`make_environment(cfg.environment)` builds the one `environment.name` names: a built-in of
+`BUILT_IN`, or one an installed package declares in the `relay.environments` entry point group
+(entry point name: the environment's name; value: "module:Class" of an `Environment`
+subclass), so a package outside this repository adds environments without editing it
+(docs/environments.md). Names are read from package metadata without importing anything, so
+planning stays fast; the chosen environment's module is imported only when it is built, so one
+environment's dependencies never slow down another's start. A package that claims a built-in
+name, or one another package claims, is refused rather than shadowing it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
 
@@ -52,7 +58,7 @@ class Environment(ABC):
     `environment` config group (`Class(env_cfg)`)."""
 
     name: str
-    """Its id in `REGISTRY`."""
+    """Its `environment.name`: a key of `BUILT_IN`, or its entry point's name."""
     max_turns: int = 1
     """Model turns per episode: 1 for single-turn environments."""
     chat: bool = False
@@ -114,8 +120,11 @@ class Environment(ABC):
         return None
 
 
+ENTRY_POINT_GROUP = "relay.environments"
+"""Where installed packages declare environments: `name = "module:Class"`."""
+
 # name -> "module:Class"
-REGISTRY = {
+BUILT_IN = {
     "reverse_text": "rl.envs.reverse_text:ReverseText",
     "arithmetic": "rl.envs.reasoning:Arithmetic",
     "gsm8k": "rl.envs.reasoning:GSM8K",
@@ -126,11 +135,47 @@ REGISTRY = {
 }
 
 
+def registry() -> dict[str, str]:
+    """Every environment by name, "module:Class": the built-ins, then those of installed
+    packages by name (nothing is imported). A ValueError when a package reuses a taken name."""
+    found = dict(BUILT_IN)
+    claimed = dict.fromkeys(BUILT_IN, "Relay has one of that name built in")
+    for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
+        package = point.dist.name if point.dist else point.value
+        if point.name in found:
+            raise ValueError(
+                f"environment {point.name}: package {package} declares it ({point.value}) in "
+                f"the {ENTRY_POINT_GROUP} entry point group, but {claimed[point.name]}; "
+                f"rename that entry point or uninstall {package}"
+            )
+        found[point.name] = point.value
+        claimed[point.name] = f"package {package} declares it too"
+    return found
+
+
+def locate(name: str) -> str:
+    """Where environment `name` is defined ("module:Class"); a ValueError listing the valid
+    names otherwise."""
+    known = registry()
+    if name not in known:
+        raise ValueError(
+            f"environment.name={name}: valid: {', '.join(known)} (installed packages add more "
+            f"through the {ENTRY_POINT_GROUP} entry point group)"
+        )
+    return known[name]
+
+
 def make_environment(env_cfg: Any) -> Environment:
-    if env_cfg.name not in REGISTRY:
-        raise ValueError(f"environment.name={env_cfg.name}: valid: {', '.join(REGISTRY)}")
-    module, cls = REGISTRY[env_cfg.name].split(":")
-    return getattr(importlib.import_module(module), cls)(env_cfg)
+    """The environment `env_cfg.name` names, built from `env_cfg` (its module imported now)."""
+    where = locate(env_cfg.name)
+    module, _, attr = where.partition(":")
+    cls = getattr(importlib.import_module(module), attr, None) if attr else None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(
+            f"environment.name={env_cfg.name}: {where} is not a subclass of "
+            f"rl.envs.Environment, which an entry point of {ENTRY_POINT_GROUP} must name"
+        )
+    return cls(env_cfg)
 
 
 def check_args(args: dict[str, Any], defaults: Any) -> Any:
