@@ -39,7 +39,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("environment.seed", lambda v: 0 <= v <= MAX_SEED, f"must be between 0 and {MAX_SEED}"),
     ("max_restarts", lambda v: v >= 0, "must be >= 0 (0 stops the run at the first death)"),
     ("model.lr", _positive_number, "must be a positive number"),
-    ("algorithm.lr", _positive_number, "must be a positive number (or unset: model.lr)"),
+    ("algorithm.lr", _positive_number, "must be a positive number (default: model.lr)"),
     ("algorithm.max_off_policy_steps", lambda v: v >= 0, "must be >= 0"),
     ("algorithm.max_grad_norm", _positive_number, "must be a positive number"),
     ("algorithm.temperature", lambda v: math.isfinite(v) and v >= 0, "must be >= 0"),

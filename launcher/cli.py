@@ -37,6 +37,11 @@ def main() -> None:
     """Console entry point of `rl`."""
     from launcher.errors import one_line
 
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from launcher.help import format_help
+
+        print(format_help([a for a in sys.argv[1:] if not a.startswith("-")]))
+        return
     # Let composition errors reach us so they can be reported in one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import II, MISSING
 
 GROUPS = ("model", "parallel", "algorithm", "environment", "cluster")
 
@@ -165,7 +165,8 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Training and checkpoint dtype."""
     lr: float = 1e-6
-    """Learning rate this model trains well with; used when `algorithm.lr` is not set."""
+    """Learning rate this model trains well with: the default of `algorithm.lr`, which is
+    the one the trainer uses."""
     tokenizer: TokenizerKind = TokenizerKind.hf
     """Tokenizer kind: `hf` (shipped with the checkpoint) or `char` (built locally)."""
     inference: ModelInferenceConfig = field(default_factory=ModelInferenceConfig)
@@ -236,8 +237,9 @@ class AlgorithmConfig:
     Dr.GRPO's constant (sequences x environment.max_tokens)."""
     advantage: Advantage = Advantage.group_mean
     """Advantage estimator: `group_mean` (Dr.GRPO-style, no std), `zscore`, `rloo`."""
-    lr: float | None = None
-    """Learning rate; None takes the model option's `lr`."""
+    lr: float | None = II("model.lr")
+    """The learning rate, the one the trainer uses: by default the model option's `lr` (the
+    rate that model trains well with); `rl --cfg job --resolve` shows the value."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)

@@ -21,7 +21,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -628,10 +628,13 @@ def main() -> None:
     host, port = sock.getsockname()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 
-    @app.on_event("startup")
-    async def announce() -> None:
-        write_address(args.run_dir, "queue", host, port)
+    @contextlib.asynccontextmanager
+    async def announce(_: FastAPI) -> AsyncIterator[None]:
+        write_address(args.run_dir, "queue", host, port)  # once it serves: peers may come
         log.info("listening on %s:%d (store %s)", host, port, run_dir.queue_store)
+        yield
+
+    app.router.lifespan_context = announce
 
     server.run(sockets=[sock])
 

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -372,15 +373,16 @@ def serve(
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
-    @app.on_event("shutdown")
-    async def stop_vllm() -> None:
-        vllm.stop()
-
-    @app.on_event("startup")
-    async def announce() -> None:
-        asyncio.get_running_loop().create_task(front.watch(cfg.timeouts.hung_s))
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        watch = asyncio.get_running_loop().create_task(front.watch(cfg.timeouts.hung_s))
         write_address(run_dir, name, server_host(), port)
         logger.info("listening on http://%s:%d (vLLM on port %d)", server_host(), port, vllm.port)
+        yield
+        watch.cancel()
+        vllm.stop()
+
+    app.router.lifespan_context = lifespan
 
     try:
         server.run(sockets=[sock])

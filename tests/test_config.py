@@ -67,12 +67,29 @@ def test_schema_rejects_unknown_key_and_bad_type() -> None:
         compose_run("algorithm.loss=nonsense")
 
 
-def test_help_lists_groups() -> None:
+def test_help_lists_groups_and_documented_settings() -> None:
     out = rl("--help")
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
     for group in GROUPS:
-        assert f"{group}:" in out.stdout
-    assert "glm5" in out.stdout and "ep8" in out.stdout
+        assert any(x.split() and x.split()[0] == group for x in lines), group
+    assert "glm5" in out.stdout and "ep8" in out.stdout and "[reverse_text]" in out.stdout
+    # Each setting with its composed value and its description from rl/config.py.
+    lr = next(x for x in lines if x.strip().startswith("algorithm.lr="))
+    assert lr.split()[0] == "algorithm.lr=0.0003" and "the one the trainer uses" in lr
+    assert any(x.split()[:3] == ["max_steps=300", "RL", "trainer"] for x in lines if x.strip())
+    glm5 = rl("model=glm5", "--help").stdout
+    assert "  model.name=glm5 " in glm5
+
+
+def test_one_learning_rate_shown_resolved() -> None:
+    """`algorithm.lr` is the trainer's learning rate; it defaults to the model's, and
+    `--cfg job --resolve` shows the number."""
+    out = rl("model=smollm2_135m", "--cfg", "job", "--resolve")
+    config = OmegaConf.create(out.stdout)
+    assert config.algorithm.lr == config.model.lr
+    out = rl("model=smollm2_135m", "algorithm.lr=3e-5", "--cfg", "job", "--resolve")
+    assert OmegaConf.create(out.stdout).algorithm.lr == 3e-5
 
 
 def test_cfg_job_prints_composed_config() -> None:

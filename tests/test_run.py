@@ -188,6 +188,7 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
     assert oct((run_dir / "token").stat().st_mode & 0o777) == "0o600"
     for role in ("queue", "orchestrator", "inference-0", "trainer"):
         assert (run_dir / "logs" / f"{role}.log").stat().st_size > 0
+    assert "Warning" not in (run_dir / "logs" / "queue.log").read_text()
     assert (run_dir / "weights" / "step_20" / "COMPLETE").exists()
     assert (run_dir / "checkpoints" / "step_20" / "COMPLETE").exists()
     rollout_samples = (run_dir / "rollouts" / "samples.jsonl").read_text().splitlines()

@@ -226,10 +226,10 @@ def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
     result = rl(
         tmp_path,
         "-m",
-        "hydra/launcher=submitit_slurm",
-        "hydra.launcher.cpus_per_task=2",
-        "hydra.launcher.mem_gb=4",
-        "hydra.launcher.timeout_min=20",
+        "hydra/launcher=relay_slurm",  # submitit's, sized from the run's cluster settings
+        "cluster.cpus_per_node=2",
+        "cluster.mem_gb_per_node=4",
+        "cluster.time_min=20",
         "max_steps=10",
         "algorithm.lr=1e-3,3e-4",
     )
@@ -237,6 +237,9 @@ def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
     sweep = next((tmp_path / "outputs").glob("*-sweep/*"))
     array_logs = sorted(sweep.glob(".submitit/*_*/*_log.out"))
     assert len(array_logs) == 2  # one array task per point
+    job_id = array_logs[0].parent.name.split("_")[0]
+    asked = slurm_cli.slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobName,ReqCPUS,ReqMem")
+    assert {line for line in asked.splitlines() if line} == {"reverse_text-tiny|2|4G"}
     for point in ("0", "1"):
         (run_dir,) = sweep.glob(f"{point}-*")  # named after its overrides
         assert train_steps(run_dir) == list(range(1, 11))

@@ -1,0 +1,129 @@
+"""`rl --help`: each config group's options, then every setting with its default and the first
+sentence of its description, read from the schema's field docstrings (rl/config.py) without
+importing anything heavy. `rl --cfg job` still prints the whole composed config."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rl import config
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+HEADER = """\
+rl: Relay, asynchronous RL for LLMs. Compose a run from config groups and override keys:
+  uv run rl model=qwen3_0_6b environment=gsm8k max_steps=200
+  uv run rl -m algorithm.lr=1e-6,3e-6          (a sweep: one run per point)
+  uv run rl model=glm5 parallel=ep8 cluster=slurm dry_run=true
+  uv run rl --cfg job --resolve                 (the whole composed config, values resolved)
+"""
+FOOTER = """\
+dry_run=true prints the plan without starting anything; action=status shows the newest run;
+resume=<run dir> continues one. Docs: README.md, docs/."""
+
+
+def field_docs() -> dict[str, dict[str, str]]:
+    """Each schema class's fields and their docstrings (the string under each field)."""
+    tree = ast.parse(Path(config.__file__).read_text())
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields = docs.setdefault(node.name, {})
+        for field, doc in zip(node.body, node.body[1:], strict=False):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
+                fields[field.target.id] = doc.value.value
+    return docs
+
+
+def first_sentence(text: str, width: int = 90) -> str:
+    flat = " ".join(text.split()).replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
+    sentence = re.split(r"(?<=[.;])\s", flat, maxsplit=1)[0].rstrip(".;").replace("\0", " ")
+    return sentence if len(sentence) <= width else sentence[: width - 3] + "..."
+
+
+def _schema_class(field: dataclasses.Field) -> type | None:
+    """The schema dataclass a field holds (a group or a nested section), if it holds one."""
+    found = getattr(config, str(field.type).split(" ")[0], None)
+    return found if dataclasses.is_dataclass(found) else None
+
+
+def _lines(cls: type, prefix: str, docs: dict[str, dict[str, str]], values: Any) -> list[str]:
+    lines = []
+    for field in dataclasses.fields(cls):
+        if _schema_class(field) is not None:
+            continue  # listed as a section of its own
+        value = OmegaConf.select(values, f"{prefix}{field.name}")
+        shown = "" if value is None else f"={getattr(value, 'value', value)}"
+        if len(shown) > 30:
+            shown = shown[:27] + "..."
+        doc = first_sentence(docs.get(cls.__name__, {}).get(field.name, ""))
+        lines.append(f"  {prefix}{field.name}{shown}".ljust(44) + f" {doc}")
+    return lines
+
+
+def composed(overrides: list[str]) -> Any:
+    """The config `rl <overrides>` composes, resolved (None when it does not compose: the
+    help then shows no values)."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    except Exception:  # noqa: BLE001 - the help still shows groups and descriptions
+        return None
+
+
+def sections() -> list[tuple[str, type]]:
+    """The run-level keys, then each group and nested section, with its schema class."""
+    found: list[tuple[str, type]] = [("", config.RunConfig)]
+    for field in dataclasses.fields(config.RunConfig):
+        cls = _schema_class(field)
+        if cls is not None:
+            found.append((field.name, cls))
+            found += [
+                (f"{field.name}.{inner.name}", _schema_class(inner))
+                for inner in dataclasses.fields(cls)
+                if _schema_class(inner) is not None
+            ]
+    return found
+
+
+def format_help(overrides: list[str]) -> str:
+    """The help, with the values the given overrides compose to (the defaults without)."""
+    docs = field_docs()
+    values = composed(overrides)
+    out = [HEADER, "Config groups (group=option; [the default]):"]
+    chosen = {
+        key: value
+        for entry in OmegaConf.load(CONF / "config.yaml").defaults
+        if OmegaConf.is_dict(entry)
+        for key, value in entry.items()
+    }
+    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir()):
+        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        default = chosen.get(group)
+        marked = [f"[{o}]" if o == default else o for o in options]
+        out.append(f"  {group:<12} {', '.join(marked)}")
+    out.append("")
+    out.append("Settings (key=value as composed with any overrides given, then what it is):")
+    for name, cls in sections():
+        title = first_sentence(docs.get("RunConfig", {}).get(name.split(".")[0], ""))
+        if name:
+            out.append(f"{name}: {title}" if "." not in name else f"{name}:")
+        out += _lines(cls, f"{name}." if name else "", docs, values)
+    out.append("")
+    out.append(FOOTER)
+    return "\n".join(out)
