@@ -12,6 +12,8 @@ clients themselves are called through launcher/slurm_cli.py.
 from __future__ import annotations
 
 import getpass
+import json
+import pwd
 import shutil
 from pathlib import Path
 
@@ -213,12 +215,20 @@ def _newest(records: list[dict]) -> dict | None:
 
 
 def run_state(run: RunDir) -> str:
-    """running, finished, failed, interrupted (nothing of it alive and no end recorded), or for
-    a Slurm run still in its jobs' hands, submitted."""
+    """running, finished, failed, interrupted (nothing of it alive and no end recorded); for a
+    Slurm run also cancelled, and queued while its jobs have not started."""
     if run.complete.exists():
         return "finished"
-    if read_jobs(run):
-        return "failed" if failure_reason(run) is not None else "submitted"
+    ids = read_jobs(run)
+    if ids:
+        reason = failure_reason(run)
+        if reason is not None:
+            return "cancelled" if reason.startswith("cancelled") else "failed"
+        try:
+            states = [s.state.split()[0] for s in job_states(list(ids.values())).values()]
+        except ConfigError:
+            return "submitted"
+        return "running" if "RUNNING" in states else "queued" if states else "submitted"
     if running_roles(run):
         return "running"
     return read_summary(run).get("status", "interrupted")
@@ -237,7 +247,7 @@ def format_status(run: RunDir) -> str:
     """The run's state, jobs, latest step and eval, how it ended, and where its logs are, for
     `action=status`."""
     state = run_state(run)
-    lines = [f"run {run.root}: {state}", *_job_lines(read_jobs(run))]
+    lines = [f"run {run.root}: {state}", *_job_lines(read_jobs(run)), *_attempt_lines(run)]
     records = read_records(run.metrics)
     train, evaluation = (
         _newest([r for r in records if is_train(r)]),
@@ -248,7 +258,7 @@ def format_status(run: RunDir) -> str:
         pace = eta(run, [r for r in records if is_train(r)], max_steps)
         lines.append(
             f"  latest step {train['step']}/{max_steps}: reward {train['reward/mean']:.3f}"
-            f"{pace if state in ('running', 'submitted') else ''}"
+            f"{pace if state == 'running' else ''}"
         )
     else:
         lines.append("  no trainer step yet")
@@ -279,11 +289,38 @@ def _job_lines(ids: dict[str, str]) -> list[str]:
         states = job_states(list(ids.values()))
     except ConfigError as err:
         return [f"  job states unavailable: {err}"]
-    lines = [f"  {'job':<10} {'id':>7}  {'state':<22} {'elapsed':>9}  nodes"]
+    lines = [f"  {'job':<10} {'id':>7}  {'state':<30} {'elapsed':>9}  nodes"]
     for name, job_id in ids.items():
         s = states.get(job_id, JobState("UNKNOWN", "", "", ""))
-        state = s.state if s.reason in ("None", "") else f"{s.state} ({s.reason})"
-        lines.append(f"  {name:<10} {job_id:>7}  {state:<22} {s.elapsed:>9}  {s.nodes}")
+        lines.append(f"  {name:<10} {job_id:>7}  {shown_state(s):<30} {s.elapsed:>9}  {s.nodes}")
+    return lines
+
+
+def shown_state(s: JobState) -> str:
+    """The state as a person reads it: who cancelled by name, not uid, and the reason only
+    while it still holds (Slurm keeps the last pending reason, JobHeldUser from the held
+    submission, on jobs long since run)."""
+    words = s.state.split()
+    if len(words) == 3 and words[1] == "by" and words[2].isdigit():
+        try:
+            words[2] = pwd.getpwuid(int(words[2])).pw_name
+        except KeyError:
+            pass
+    state = " ".join(words)
+    pending = words[0] in ("PENDING", "REQUEUED", "SUSPENDED", "CONFIGURING")
+    return f"{state} ({s.reason})" if pending and s.reason not in ("None", "") else state
+
+
+def _attempt_lines(run: RunDir) -> list[str]:
+    """The jobs of the run's earlier submissions (a resumed run's), each with its end."""
+    lines = []
+    for path in sorted(run.ended.glob("jobs-*.json")):
+        attempt = path.stem.removeprefix("jobs-")
+        ids = json.loads(path.read_text())["jobs"]
+        failure = run.ended / f"failure-{attempt}.json"
+        why = json.loads(failure.read_text())["reason"] if failure.exists() else "resubmitted"
+        lines.append(f"  earlier submission {attempt}: {why}")
+        lines += ["  " + line for line in _job_lines(ids)]
     return lines
 
 

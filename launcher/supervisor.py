@@ -72,7 +72,14 @@ class JobRoles(submitit.helpers.Checkpointable):
 
     def __call__(self) -> None:
         self._supervisor = NodeSupervisor(RunDir(Path(self.run_dir)), self.job)
-        self._supervisor.run()
+        try:
+            self._supervisor.run()
+        except RunEnded as end:
+            # Said in one line, not a traceback: a job whose own role failed ends FAILED; one
+            # ended with the run (a cancel, another job's failure) ends as Slurm ended it.
+            self._supervisor.log.warning("%s", end)
+            if self._supervisor.failed_here:
+                raise SystemExit(1) from None
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """submitit calls this on SIGUSR2 (time limit or preemption) and requeues what it
@@ -114,6 +121,7 @@ class NodeSupervisor:
         timeouts = self.cfg.timeouts
         self.liveness = Liveness(rundir, timeouts.hung_s, timeouts.ready_s)
         self.follow: Follow | None = None  # the control job logs the run's metrics live
+        self.failed_here = False  # one of this job's roles failed (it ends FAILED)
         rundir.control.mkdir(exist_ok=True)
 
     # --- start -----------------------------------------------------------------------------
@@ -218,6 +226,7 @@ class NodeSupervisor:
         roles failed, this job ends FAILED and the others are cancelled.
         """
         self.log.error("%s: cancelling the run", reason)
+        self.failed_here = not cancel_self
         slurm_cli.record_failure(self.rundir, reason, job)
         ids = list(slurm_cli.read_jobs(self.rundir).values())
         others = [job_id for job_id in ids if job_id != self.job_id]

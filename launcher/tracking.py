@@ -10,6 +10,7 @@ online with one, off with `WANDB_MODE=disabled`; a crash leaves everything logge
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -92,6 +93,8 @@ class Tracker:
         self.wandb_run.define_metric("warmup/*", step_metric="warmup/step")
 
     def log(self, record: dict[str, Any]) -> None:
+        """Log one record; a wandb that fails (its service killed with a Slurm job, a full
+        disk) stops tracking with a warning, never the run (metrics.jsonl has everything)."""
         if self.wandb_run is None:
             return
         numbers = {
@@ -101,12 +104,29 @@ class Tracker:
         }
         if kind_of(record) == RecordKind.warmup:
             numbers["warmup/step"] = numbers.pop("step")
-        self.wandb_run.log(numbers)
+        try:
+            self.wandb_run.log(numbers)
+        except Exception as err:  # noqa: BLE001 - see above
+            self.give_up(err)
 
     def finish(self, exit_code: int = 0) -> None:
-        if self.wandb_run is not None:
+        """End the wandb run and its service process now, not at exit (where a service that
+        Slurm's SIGTERM already ended would leave a traceback in the job's log)."""
+        if self.wandb_run is None:
+            return
+        import wandb
+
+        try:
             self.wandb_run.finish(exit_code=exit_code)
-            self.wandb_run = None
+        except Exception as err:  # noqa: BLE001 - as in `log`
+            self.give_up(err)
+        self.wandb_run = None
+        with contextlib.suppress(Exception):
+            wandb.teardown(exit_code)
+
+    def give_up(self, err: Exception) -> None:
+        print(f"warning: wandb stopped logging ({err!r}); metrics.jsonl has every record")
+        self.wandb_run, self.mode = None, f"{self.mode} (stopped: {type(err).__name__})"
 
 
 def duration(seconds: float) -> str:

@@ -155,6 +155,11 @@ def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
     wait_until(lambda: not queued_jobs() & set(ids.values()), 120, "the jobs to leave the queue")
     status = rl(tmp_path, "action=status", f"run_dir={run_dir}")
     assert "ended: job inference" in status.stdout
+    assert status.stdout.startswith(f"run {run_dir}: failed")
+    # The jobs say how they ended in a line each, without a traceback.
+    for log in (run_dir / "slurm").glob("*/*_log.out"):
+        text = log.read_text()
+        assert "Traceback" not in text and "triggered an exception" not in text, (log, text)
 
 
 @needs_slurm
@@ -600,3 +605,31 @@ def test_status_without_the_accounting_database(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(squeue=down, sacct=DBD_DOWN))
     status = format_status(run)
     assert "job states unavailable" in status and "no trainer step yet" in status
+
+
+def test_status_shows_current_reasons_user_names_and_every_attempt(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A job cancelled by root reads `CANCELLED by root`, without the pending reason it kept
+    from its held submission; a pending job keeps its reason; a resumed run's earlier
+    submissions are listed with how they ended."""
+    from launcher.slurm import format_status
+
+    run = RunDir(tmp_path)
+    slurm_cli.write_jobs(run, "cpu", {"control": "11", "trainer": "12"})
+    slurm_cli.record_failure(run, "job trainer (12) ended NODE_FAIL", "trainer")
+    run.end_submission()
+    slurm_cli.write_jobs(run, "cpu", {"control": "21", "trainer": "22"})
+    squeue = (
+        "11|CANCELLED by 0|node1|9:00|JobHeldUser\n12|NODE_FAIL|node2|9:00|None\n"
+        "21|RUNNING|node1|1:00|JobHeldUser\n22|PENDING||0:00|Resources"
+    )
+    monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(squeue=squeue))
+    lines = format_status(run).splitlines()
+    assert lines[0] == f"run {run.root}: running"
+    assert "RUNNING" in lines[2] and "JobHeldUser" not in lines[2]
+    assert "PENDING (Resources)" in lines[3]
+    assert "  earlier submission 0: job trainer (12) ended NODE_FAIL" in lines
+    cancelled = next(x for x in lines if " 11 " in x)
+    assert "CANCELLED by root" in cancelled and "JobHeldUser" not in cancelled
+    assert f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out" in lines
