@@ -14,10 +14,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from launcher.checks import check_ranges
 from launcher.errors import PlanError
+from launcher.gpus import describe as describe_gpus
+from launcher.gpus import detect as detect_gpus
 from rl.config import ROLE_MODULES, Backend, BroadcastBackend, ClusterKind, WeightTransport
 from rl.derive import (
     LayoutError,
@@ -43,6 +45,14 @@ VLLM_WORKER_EXTENSION = "rl.weights.sync.VllmWorkerExtension"
 # KV cache a vLLM CPU server reserves (the tiny models served on CPU need far less).
 CPU_KV_CACHE_BYTES = 512 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+GIB = 2**30
+# Shared placement's estimate (shared_split): a CUDA context and allocator slack per process,
+# and activation bytes per token, layer and hidden unit without checkpointing (bf16, the
+# usual 34 of a transformer block with fused attention).
+CUDA_CONTEXT_GB = 1.0
+ACTIVATION_BYTES_PER_HIDDEN = 34
+# Both roles of a shared placement see the one GPU as their device 0.
+SHARED_DEVICE = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 @dataclass
@@ -231,6 +241,167 @@ def _check_trainer_memory(cfg: DictConfig, mesh: dict[str, int]) -> None:
         )
 
 
+def _fill_gpus(cfg: DictConfig) -> str | None:
+    """Fill in `cluster.gpus_per_node` and `gpu_memory_gb` where they are None: on
+    cluster=local from the GPUs `nvidia-smi` finds here (launcher/gpus.py), elsewhere 0.
+    Returns what was found, for the plan's notes (None when both were declared)."""
+    cluster = cfg.cluster
+    if cluster.gpus_per_node is not None and cluster.gpu_memory_gb is not None:
+        return None
+    found = detect_gpus() if cluster.kind == ClusterKind.local else []
+    if cluster.gpus_per_node is None:
+        _set(cluster, "gpus_per_node", len(found))
+    if cluster.gpu_memory_gb is None:
+        _set(cluster, "gpu_memory_gb", min((g.memory_gb for g in found), default=0.0))
+    return describe_gpus(found) if cluster.kind == ClusterKind.local else None
+
+
+def _set(node: Any, key: str, value: Any) -> None:
+    """Set a value the plan decides on the config (a DictConfig, or a resumed run's typed
+    config object), so that the run directory records it."""
+    if isinstance(node, DictConfig):
+        with open_dict(node):
+            node[key] = value
+    else:
+        setattr(node, key, value)
+
+
+def _shared(cfg: DictConfig) -> bool:
+    """Shared placement: one local GPU that inference and trainer both use, side by side."""
+    par = cfg.parallel
+    return (
+        cfg.cluster.kind == ClusterKind.local
+        and cfg.cluster.gpus_per_node == 1
+        and par.inference.replicas == 1
+        and par.inference.tp == 1
+        and par.inference.dp in (1, -1)
+        and trainer_dims(par.trainer, 1).world == 1
+    )
+
+
+@dataclass(frozen=True)
+class Split:
+    """One GPU's memory (GiB) as shared placement divides it."""
+
+    gpu: float
+    weights: float
+    kv_cache: float
+    trainer_state: float
+    activations: float
+    checkpointing: bool
+
+    @property
+    def inference(self) -> float:
+        return self.weights + self.kv_cache + CUDA_CONTEXT_GB
+
+    @property
+    def trainer(self) -> float:
+        return self.trainer_state + self.activations + CUDA_CONTEXT_GB
+
+    @property
+    def utilization(self) -> float:
+        """vLLM's `--gpu-memory-utilization`: its share, rounded up to a hundredth."""
+        return math.ceil(100 * self.inference / self.gpu) / 100
+
+    @property
+    def fits(self) -> bool:
+        return self.utilization * self.gpu + self.trainer <= self.gpu
+
+
+def shared_split(cfg: DictConfig) -> Split:
+    """The estimate behind shared placement (all in GiB):
+
+    - inference: the served weights, a KV cache for the step's sequences (at least one of
+      the served length; prompts counted as long as completions) and a CUDA context;
+    - trainer: `TRAIN_BYTES_PER_PARAM` per parameter (fp32 weights, gradients, two AdamW
+      moments; bf16 weights only with CPU offload), activations for
+      `trainer.micro_batch_tokens` (per token and layer `ACTIVATION_BYTES_PER_HIDDEN` bytes per
+      hidden unit, 2 with activation checkpointing, plus bf16 and fp32 logits over the
+      vocabulary) and a CUDA context."""
+    model, env, trainer = cfg.model, cfg.environment, cfg.trainer
+    serve = model.inference
+    kv_bytes = 1 if serve.kv_cache_dtype.startswith("fp8") else _serve_bytes_per_param(cfg)
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_bytes
+    sequences = min(env.prompts_per_step * env.group_size, cfg.inference.max_batch_size)
+    kv_tokens = max(max_model_len(cfg), sequences * 2 * env.max_tokens)
+    state_bytes = 2 if trainer.cpu_offload else TRAIN_BYTES_PER_PARAM
+    per_hidden = 2 if trainer.activation_checkpointing else ACTIVATION_BYTES_PER_HIDDEN
+    act_per_token = model.num_layers * model.hidden_size * per_hidden + model.vocab_size * 6
+    return Split(
+        gpu=cfg.cluster.gpu_memory_gb,
+        weights=model.total_params_b * 1e9 * _serve_bytes_per_param(cfg) / GIB,
+        kv_cache=kv_tokens * per_token / GIB,
+        trainer_state=model.total_params_b * 1e9 * state_bytes / GIB,
+        activations=trainer.micro_batch_tokens * act_per_token / GIB,
+        checkpointing=bool(trainer.activation_checkpointing),
+    )
+
+
+def format_split(split: Split, cfg: DictConfig) -> str:
+    return (
+        f"one GPU ({split.gpu:g} GB) shared by inference and trainer, side by side: "
+        f"inference {split.inference:.1f} GB (--gpu-memory-utilization {split.utilization}: "
+        f"weights {split.weights:.1f} + KV cache {split.kv_cache:.1f} + context "
+        f"{CUDA_CONTEXT_GB:g}), trainer {split.trainer:.1f} GB (state {split.trainer_state:.1f} "
+        f"+ activations {split.activations:.1f} for {cfg.trainer.micro_batch_tokens} tokens"
+        f"{' with activation checkpointing' if split.checkpointing else ''} + context "
+        f"{CUDA_CONTEXT_GB:g}), {split.gpu - split.utilization * split.gpu - split.trainer:.1f} "
+        f"GB spare"
+    )
+
+
+def _check_shared(cfg: DictConfig) -> str | None:
+    """Fail before anything starts when inference and trainer cannot share the GPU; turn on
+    activation checkpointing when that alone makes them fit, and return a note saying so."""
+    if not cfg.cluster.gpu_memory_gb:
+        _fail(
+            "cluster.gpus_per_node=1",
+            "inference and trainer share the one GPU, which needs its memory to split: set "
+            "cluster.gpu_memory_gb (nvidia-smi reports it where it runs)",
+        )
+    split = shared_split(cfg)
+    if split.fits:
+        return None
+    if not cfg.trainer.activation_checkpointing:
+        _set(cfg.trainer, "activation_checkpointing", True)
+        if shared_split(cfg).fits:
+            return (
+                f"trainer.activation_checkpointing turned on: without it the trainer needs "
+                f"{split.trainer:.1f} GB of the shared GPU"
+            )
+        _set(cfg.trainer, "activation_checkpointing", False)
+    need = split.utilization * split.gpu + split.trainer
+    _fail(
+        "cluster.gpus_per_node=1",
+        f"model={cfg.model.name} does not fit one {split.gpu:g} GB GPU shared by inference "
+        f"({split.inference:.1f} GB: weights {split.weights:.1f}, KV cache {split.kv_cache:.1f}) "
+        f"and trainer ({split.trainer:.1f} GB: state {split.trainer_state:.1f}, activations "
+        f"{split.activations:.1f}), {need:.1f} GB in all; to fit: "
+        f"trainer.activation_checkpointing=true, a smaller trainer.micro_batch_tokens, a "
+        f"shorter model.inference.max_model_len, trainer.cpu_offload=true, or a GPU each",
+    )
+
+
+class _LocalDevices:
+    """The GPUs of this machine handed out in order, so that no two roles of a local run use
+    the same one (except in shared placement, where both use GPU 0); on Slurm each job has
+    nodes of its own and Slurm sets the devices."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.local = cfg.cluster.kind == ClusterKind.local
+        self.shared = _shared(cfg)
+        self.next = 0
+
+    def take(self, count: int) -> dict[str, str]:
+        if not self.local:
+            return {}
+        if self.shared:
+            return dict(SHARED_DEVICE)
+        ids = range(self.next, self.next + count)
+        self.next += count
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+
+
 def _serve_bytes_per_param(cfg: DictConfig) -> int:
     return DTYPE_BYTES[cfg.model.inference.quantization or cfg.model.dtype]
 
@@ -277,7 +448,8 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
     args += ["--dtype", "float32" if cluster.gpus_per_node == 0 else model.dtype]
     args += ["--max-model-len", str(max_model_len(cfg))]
     if cluster.gpus_per_node:
-        args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
+        share = shared_split(cfg).utilization if _shared(cfg) else serve.gpu_memory_utilization
+        args += ["--gpu-memory-utilization", str(share)]
     else:
         # vLLM's CPU build otherwise reserves most of a NUMA node for KV cache at start-up.
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
@@ -358,7 +530,7 @@ def _check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> N
             )
         trainer_gpus = _trainer_mesh(cfg, trainer_nodes)["world"] if gpus else 0
         inference_gpus = inf.replicas * _replica_gpus(cfg)
-        if gpus and trainer_gpus + inference_gpus > gpus:
+        if gpus and trainer_gpus + inference_gpus > gpus and not _shared(cfg):
             _fail(
                 "cluster.gpus_per_node",
                 f"trainer ({trainer_gpus}) + inference ({inference_gpus}) GPUs exceed the "
@@ -412,6 +584,7 @@ def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: i
 def plan(cfg: DictConfig) -> RunPlan:
     """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key."""
     check_ranges(cfg)
+    found = _fill_gpus(cfg)
     try:
         locate_environment(cfg.environment.name)  # built in, or an installed package's
     except ValueError as err:
@@ -433,6 +606,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     mesh = _trainer_mesh(cfg, trainer_nodes)
     _check_trainer_memory(cfg, mesh)
     _check_cluster(cfg, trainer_nodes, replica_nodes)
+    turned_on = _check_shared(cfg) if _shared(cfg) else None
     _check_weight_transport(cfg)
 
     slurm = cfg.cluster.kind == ClusterKind.slurm
@@ -459,6 +633,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     cpu_threads = {"OMP_NUM_THREADS": str(max(1, threads))}
     kv_roles = ["kv_producer", "kv_consumer"] if _disaggregated(cfg) else [None]
     replica_gpus = gpus if slurm else _replica_gpus(cfg)
+    devices = _LocalDevices(cfg)
     for i in range(cfg.parallel.inference.replicas):
         for kv_role in kv_roles:
             suffix = {None: "", "kv_producer": "-prefill", "kv_consumer": "-decode"}[kv_role]
@@ -470,7 +645,7 @@ def plan(cfg: DictConfig) -> RunPlan:
                     "inference",
                     f"inference-{i}{suffix}",
                     argv,
-                    env={} if gpus else cpu_threads,
+                    env=devices.take(replica_gpus) if gpus else cpu_threads,
                     job="inference",
                     nodes=replica_nodes,
                     gpus_per_node=replica_gpus,
@@ -498,7 +673,7 @@ def plan(cfg: DictConfig) -> RunPlan:
             "trainer",
             "trainer",
             [*torchrun, "-m", ROLE_MODULES["trainer"], *run_args],
-            env={"OMP_NUM_THREADS": "1"} if gpus else cpu_threads,
+            env={"OMP_NUM_THREADS": "1", **devices.take(per_node)} if gpus else cpu_threads,
             job="trainer",
             nodes=trainer_nodes,
             gpus_per_node=per_node if gpus else 0,
@@ -506,7 +681,9 @@ def plan(cfg: DictConfig) -> RunPlan:
     )
 
     jobs: list[Job] = []
-    notes: list[str] = []
+    notes: list[str] = [found] if found else []
+    if _shared(cfg):
+        notes += [format_split(shared_split(cfg), cfg), *([turned_on] if turned_on else [])]
     if slurm:
         inference_nodes = cfg.parallel.inference.replicas * replica_nodes * len(kv_roles)
         c = cfg.cluster

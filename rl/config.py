@@ -312,10 +312,12 @@ class ClusterConfig:
     """`local` (child processes here) or `slurm` (jobs submitted with submitit)."""
     nodes: int = 1
     """Nodes available to one run (local: 1)."""
-    gpus_per_node: int = 0
-    """GPUs on each node (0: CPU-only)."""
-    gpu_memory_gb: float = 0.0
-    """Memory of one GPU, for the planner's fit checks (0 skips them)."""
+    gpus_per_node: int | None = None
+    """GPUs on each node (0: CPU-only); None: on cluster=local, the GPUs `nvidia-smi` finds
+    here (0 without one), on Slurm 0."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU in GiB, for the planner's fit checks (0 skips them); None: what
+    `nvidia-smi` reports on cluster=local, else 0."""
     cpus_per_node: int = 2
     """CPU cores per node."""
     mem_gb_per_node: int = 24

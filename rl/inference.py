@@ -500,7 +500,7 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
 
     hf_logging.disable_progress_bar()  # keeps the role's log one line per event
     path = ensure_checkpoint(cfg.model, seed=cfg.seed)
-    device = "cuda" if cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
+    device = "cuda" if (cfg.cluster.gpus_per_node or 0) > 0 and torch.cuda.is_available() else "cpu"
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
     engine = Engine(model, load_tokenizer(path), cfg, logger)
     if (newest := RunDir(run_dir).newest_version()) >= 0:

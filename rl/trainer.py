@@ -102,7 +102,7 @@ def rank_device(cfg: RunConfig) -> torch.device:
     names when the cluster has GPUs (`cluster.gpus_per_node`) and torch sees them, else the
     CPU."""
     choice = str(cfg.trainer.device)
-    gpus = cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available()
+    gpus = (cfg.cluster.gpus_per_node or 0) > 0 and torch.cuda.is_available()
     if choice == "cpu" or (choice == "auto" and not gpus):
         return torch.device("cpu")
     if not torch.cuda.is_available():

@@ -165,7 +165,8 @@ def test_rl_has_no_import_cycle() -> None:
 
 # The launcher's layers: a module imports only modules of the layers before its own.
 LAUNCHER_LAYERS = (
-    ("launcher", "launcher.errors", "launcher.help", "launcher.report", "launcher.tracking"),
+    ("launcher", "launcher.errors", "launcher.gpus", "launcher.help", "launcher.report"),
+    ("launcher.tracking",),
     ("launcher.checks", "launcher.sweep"),
     ("launcher.plan",),
     ("launcher.setup", "launcher.processes", "launcher.slurm_cli"),

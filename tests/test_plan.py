@@ -149,7 +149,16 @@ def test_local_fsdp_two_cpu_processes() -> None:
             ["cluster=slurm", "model=glm5", "parallel=ep8", "cluster.nodes=8"],
             "cluster.nodes: the run needs 28 GPU nodes",
         ),
-        (["cluster.gpus_per_node=1"], "trainer (1) + inference (1) GPUs exceed the 1 this"),
+        (["cluster.gpus_per_node=1"], "share the one GPU, which needs its memory to split"),
+        (
+            [
+                "cluster.gpus_per_node=2",
+                "cluster.gpu_memory_gb=24",
+                "parallel=fsdp",
+                "parallel.trainer.dp_shard=2",
+            ],  # fmt: skip
+            "trainer (2) + inference (1) GPUs exceed the 2 this",
+        ),
         (["algorithm.async_level=9"], "algorithm.async_level=9: must be >= 0 and <="),
         (["environment.group_size=1"], "environment.group_size=1: needs >= 2"),
         (["environment.max_tokens=500"], "must be below model=tiny's served length 128"),

@@ -1,0 +1,113 @@
+"""One GPU is enough to start: GPUs found on this machine (not declared), and the shared
+placement the planner makes when inference and trainer must use the same GPU."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from launcher import gpus
+from launcher.errors import PlanError
+from launcher.plan import format_plan, plan
+from rl.testing import ROOT, compose_run
+
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def test_nvidia_smi_output_parses() -> None:
+    (rtx,) = gpus.parse((FIXTURES / "nvidia-smi-rtx4090.csv").read_text())
+    assert rtx == gpus.Gpu(0, "NVIDIA GeForce RTX 4090", 24.0)
+    node = gpus.parse((FIXTURES / "nvidia-smi-8xh100.csv").read_text())
+    assert [g.index for g in node] == list(range(8))
+    assert {g.memory_gb for g in node} == {79.6}
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """An `nvidia-smi` on PATH that prints a fixture, as the real one would."""
+
+    def install(fixture: str | None) -> None:
+        smi = tmp_path / "nvidia-smi"
+        body = (
+            f"cat {FIXTURES / fixture}" if fixture else "echo 'NVIDIA-SMI has failed' >&2; exit 9"
+        )
+        smi.write_text(f"#!/bin/sh\n{body}\n")
+        smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    return install
+
+
+def test_local_gpus_are_found_not_declared(fake_nvidia_smi) -> None:
+    fake_nvidia_smi("nvidia-smi-rtx4090.csv")
+    cfg = compose_run("model=qwen3_0_6b")
+    p = plan(cfg)
+    assert cfg.cluster.gpus_per_node == 1 and cfg.cluster.gpu_memory_gb == 24.0
+    assert "found 1 GPU(s): NVIDIA GeForce RTX 4090, 24 GB each" in p.notes
+    # Declared values win over what is found.
+    cfg = compose_run("model=qwen3_0_6b", "cluster.gpus_per_node=0")
+    assert plan(cfg).role("trainer")[0].gpus_per_node == 0
+
+
+def test_a_failing_or_missing_nvidia_smi_means_cpu(fake_nvidia_smi) -> None:
+    fake_nvidia_smi(None)
+    cfg = compose_run()
+    assert "no GPU found (nvidia-smi): running on CPU" in plan(cfg).notes
+    assert cfg.cluster.gpus_per_node == 0
+
+
+ONE_24GB_GPU = ("cluster.gpus_per_node=1", "cluster.gpu_memory_gb=24")
+
+
+@pytest.mark.parametrize(
+    ("model", "utilization", "checkpointing"),
+    [("qwen3_0_6b", "0.24", True), ("smollm2_135m", "0.06", False)],
+)
+def test_one_24gb_gpu_is_shared_by_inference_and_trainer(
+    model: str, utilization: str, checkpointing: bool
+) -> None:
+    cfg = compose_run(f"model={model}", *ONE_24GB_GPU)
+    p = plan(cfg)
+    (server,) = p.role("inference")
+    (trainer,) = p.role("trainer")
+    vllm = server.argv[server.argv.index("--") + 1 :]
+    assert vllm[vllm.index("--gpu-memory-utilization") + 1] == utilization
+    assert vllm[vllm.index("--max-model-len") + 1] == str(p.max_model_len)
+    assert server.env["CUDA_VISIBLE_DEVICES"] == trainer.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert server.gpus_per_node == trainer.gpus_per_node == 1
+    split = next(n for n in p.notes if n.startswith("one GPU (24 GB) shared"))
+    assert f"--gpu-memory-utilization {utilization}" in split
+    # Without activation checkpointing qwen3_0_6b's trainer does not fit beside inference:
+    # the planner turns it on and says so; smollm2_135m fits as it is.
+    assert cfg.trainer.activation_checkpointing is checkpointing
+    assert any("activation_checkpointing turned on" in n for n in p.notes) is checkpointing
+    assert split in format_plan(p, cfg)
+
+
+def test_a_model_that_cannot_share_the_gpu_is_refused_with_its_numbers() -> None:
+    cfg = compose_run("model=qwen3_0_6b", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=12")
+    with pytest.raises(PlanError) as refused:
+        plan(cfg)
+    message = str(refused.value)
+    assert message.startswith("cluster.gpus_per_node=1: model=qwen3_0_6b does not fit one 12 GB")
+    assert "inference (5.6 GB: weights 1.1, KV cache 3.5)" in message
+    assert "trainer (24.3 GB: state 8.9, activations 14.4), 30.0 GB in all" in message
+    for remedy in (
+        "activation_checkpointing",
+        "micro_batch_tokens",
+        "max_model_len",
+        "cpu_offload",
+    ):
+        assert remedy in message
+    assert cfg.trainer.activation_checkpointing is False  # nothing half-changed
+
+
+def test_two_gpus_give_each_role_its_own() -> None:
+    p = plan(compose_run("model=qwen3_0_6b", "cluster.gpus_per_node=2", "cluster.gpu_memory_gb=24"))
+    assert not any("shared" in n for n in p.notes)
+    (server,) = p.role("inference")
+    (trainer,) = p.role("trainer")
+    assert server.env["CUDA_VISIBLE_DEVICES"] == "0" and trainer.env["CUDA_VISIBLE_DEVICES"] == "1"
