@@ -112,11 +112,14 @@ def format_help(overrides: list[str]) -> str:
         if OmegaConf.is_dict(entry)
         for key, value in entry.items()
     }
-    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir()):
+    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
         options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
         default = chosen.get(group)
         marked = [f"[{o}]" if o == default else o for o in options]
         out.append(f"  {group:<12} {', '.join(marked)}")
+    out.append(
+        "  hydra/launcher=relay_slurm  (sweep points as Slurm array tasks, sized from the run)"
+    )
     out.append("")
     out.append("Settings (key=value as composed with any overrides given, then what it is):")
     for name, cls in sections():

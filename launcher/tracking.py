@@ -100,7 +100,10 @@ class Tracker:
         numbers = {
             k: v
             for k, v in record.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "timestamp"
+            if isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and k != "timestamp"
+            and not k.startswith("at/")  # wall-clock times, for lining up roles
         }
         if kind_of(record) == RecordKind.warmup:
             numbers["warmup/step"] = numbers.pop("step")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from omegaconf import II, MISSING
+from omegaconf import II, MISSING, OmegaConf
 
 GROUPS = ("model", "parallel", "algorithm", "environment", "cluster")
 
@@ -50,6 +50,16 @@ class Advantage(StrEnum):
 class ClusterKind(StrEnum):
     local = "local"
     slurm = "slurm"
+
+
+class Placement(StrEnum):
+    """How inference and trainer share a machine's devices."""
+
+    split = "split"
+    """Side by side: a GPU each (or, on one GPU, its memory split: shared), half the cores
+    each on CPU; asynchronous."""
+    colocated = "colocated"
+    """Taking turns, each with the whole device while it runs: on-policy."""
 
 
 class Action(StrEnum):
@@ -481,6 +491,11 @@ class RunConfig:
     """Run name (the run directory and wandb run are named after it)."""
     seed: int = 0
     """Global seed."""
+    placement: Placement = Placement.split
+    """`split`: inference and trainer side by side, asynchronously (one GPU is shared, its
+    memory split); `colocated` (group `placement`): they take turns, each with the whole device
+    (every core on CPU; on GPU vLLM sleeps while the trainer runs), on-policy by
+    construction."""
     max_steps: int = 20
     """RL trainer steps."""
     dry_run: bool = False
@@ -524,15 +539,16 @@ def dirname(text: str) -> str:
     return safe[:200] or "defaults"
 
 
+# The schema's own defaults use these (`name`), so they are registered wherever it is loaded.
+OmegaConf.register_new_resolver("relay_env_id", environment_id, replace=True)
+OmegaConf.register_new_resolver("relay_dirname", dirname, replace=True)
+
+
 def register() -> None:
-    """Register the schema in Hydra's ConfigStore under the name conf/config.yaml extends, and
-    the resolvers it uses."""
+    """Register the schema in Hydra's ConfigStore under the name conf/config.yaml extends."""
     from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="relay_schema", node=RunConfig)
-    OmegaConf.register_new_resolver("relay_env_id", environment_id, replace=True)
-    OmegaConf.register_new_resolver("relay_dirname", dirname, replace=True)
 
 
 # Each role's entry point (`python -m <module> --run-dir ...`).

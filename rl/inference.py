@@ -108,7 +108,17 @@ class EngineStopped(RuntimeError):
     """The engine thread is not running, so a queued request will never be served."""
 
 
-def _fail(jobs: Sequence[CompletionJob | LoadJob], exc: BaseException) -> None:
+@dataclass
+class MemoryJob:
+    """Sleep (give the GPU's memory back: weights to host memory, caches freed) or wake up
+    (weights back on the device), queued behind the requests before it. On CPU there is
+    nothing to give back and it only records the state."""
+
+    asleep: bool
+    future: Future = field(default_factory=Future)
+
+
+def _fail(jobs: Sequence[CompletionJob | LoadJob | MemoryJob], exc: BaseException) -> None:
     """Fail the futures of `jobs` not already answered (or cancelled by a departed client)."""
     for job in jobs:
         if not job.future.done():
@@ -132,9 +142,11 @@ class Engine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.version = -1  # base weights; the orchestrator loads version 0 before rollouts
         # Seeded from the OS: replicas must not draw identical samples for unseeded requests.
+        self.device = model.device
+        self.asleep = False
         self.generator = torch.Generator(device=model.device)
         self.generator.seed()
-        self._pending: deque[CompletionJob | LoadJob] = deque()
+        self._pending: deque[CompletionJob | LoadJob | MemoryJob] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._died = ""  # why the thread ended early; "" while it runs or after stop()
@@ -155,7 +167,7 @@ class Engine:
             return ""
         return self._died or "the engine thread is not running"
 
-    def submit(self, job: CompletionJob | LoadJob) -> Future:
+    def submit(self, job: CompletionJob | LoadJob | MemoryJob) -> Future:
         with self._cond:
             if self._died:
                 _fail([job], EngineStopped(self._died))
@@ -171,7 +183,7 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return None
-            if isinstance(self._pending[0], LoadJob):
+            if isinstance(self._pending[0], LoadJob | MemoryJob):
                 return self._pending.popleft()  # type: ignore[return-value]
             batch: list[CompletionJob] = []
             rows = 0
@@ -188,7 +200,7 @@ class Engine:
         jobs: list[CompletionJob | LoadJob] = []
         try:
             while (work := self._next_work()) is not None:
-                jobs = [work] if isinstance(work, LoadJob) else list(work)
+                jobs = [work] if isinstance(work, LoadJob | MemoryJob) else list(work)
                 self._serve(work)
         except BaseException as exc:  # reported by failure() and /health, not raised again
             self.logger.exception("the engine thread died")
@@ -200,13 +212,28 @@ class Engine:
     def _serve(self, work: list[CompletionJob] | LoadJob) -> None:
         """Run one load or batch; an error fails that work's futures and no others."""
         try:
-            if isinstance(work, LoadJob):
+            if isinstance(work, MemoryJob):
+                self._set_memory(work)
+            elif isinstance(work, LoadJob):
                 self._load(work)
             elif work:
                 self._run_batch(work)
         except Exception as exc:
-            self.logger.exception("%s failed", "load" if isinstance(work, LoadJob) else "batch")
-            _fail([work] if isinstance(work, LoadJob) else work, exc)
+            single = isinstance(work, LoadJob | MemoryJob)
+            self.logger.exception("%s failed", type(work).__name__ if single else "batch")
+            _fail([work] if single else work, exc)  # type: ignore[list-item]
+
+    def _set_memory(self, job: MemoryJob) -> None:
+        import torch
+
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if self.device.type == "cuda":
+            self.model.to("cpu" if job.asleep else self.device)
+            torch.cuda.empty_cache()
+        self.asleep = job.asleep
+        held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        job.future.set_result({"asleep": self.asleep, "device_bytes": held})
 
     def _load(self, job: LoadJob) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -465,6 +492,14 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
             return await asyncio.wrap_future(engine.submit(LoadJob(path, body.version)))
         except ValueError as exc:  # RefusedWeights, or weights that do not fit the model
             raise HTTPException(400, str(exc)) from exc
+
+    @app.post("/admin/sleep", dependencies=[Depends(authorized)])
+    async def sleep() -> dict:
+        return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=True)))
+
+    @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
+    async def wake_up() -> dict:
+        return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest) -> dict:

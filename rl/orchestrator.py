@@ -24,7 +24,7 @@ import httpx
 
 from rl import wire
 from rl.advantages import ADVANTAGES
-from rl.config import TimeoutsConfig
+from rl.config import Placement, TimeoutsConfig
 from rl.derive import max_model_len
 from rl.envs import Environment, Example, make_environment
 from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
@@ -72,6 +72,19 @@ class InferenceClient:
         self.stale = [False] * len(names)  # missed a weight load while down
         self.locks = [threading.Lock() for _ in names]
         self.log = logging.getLogger("orchestrator")
+        self.asleep = False  # colocated on GPU: put to sleep while the trainer runs
+
+    def sleep(self) -> None:
+        """Free the servers' GPU memory for the trainer (weights offloaded, caches dropped);
+        the next `load_weights` wakes them first."""
+        for i in range(len(self.servers)):
+            self.call(i, "/admin/sleep", {})
+        self.asleep = True
+
+    def wake(self) -> None:
+        for i in range(len(self.servers)):
+            self.call(i, "/admin/wake_up", {})
+        self.asleep = False
 
     @property
     def urls(self) -> list[str]:
@@ -168,8 +181,10 @@ class InferenceClient:
         return choices
 
     def load_weights(self, path: Path, version: int) -> None:
-        """Load `path` into every server that answers; one that is down gets the newest
-        weights when it is back."""
+        """Load `path` into every server that answers (waking them, if asleep); one that is
+        down gets the newest weights when it is back."""
+        if self.asleep:
+            self.wake()
         self.version = version
         for i, server in enumerate(self.servers):
             with self.locks[i]:
@@ -342,15 +357,15 @@ def _respond(env: Environment, episode: Episode) -> str | None:
 
 
 def rollout_record(
-    step: int, choices: list[dict[str, Any]], gen_s: float, load_s: float
+    step: int, choices: list[dict[str, Any]], started_at: float, gen_s: float, load_s: float
 ) -> RolloutRecord:
-    """Batch `step`'s numbers: how long it took and how long the model's answers were."""
+    """Batch `step`'s numbers: when and how long it took, how long the model's answers were."""
     lengths = [
         len(c["token_ids"]) - sum(end - begin for begin, end in c.get("env_spans") or [])
         for c in choices
     ]
     truncated = sum(c["finish_reason"] == "length" for c in choices)
-    return RolloutRecord(step + 1, gen_s, load_s, lengths, truncated)
+    return RolloutRecord(step + 1, gen_s, load_s, lengths, truncated, started_at)
 
 
 def no_signal(group: Group) -> bool:
@@ -378,6 +393,9 @@ class Orchestrator:
         self.version = -1
         self.last_eval = last_eval(self.run_dir)
         self.weights = make_waiter(cfg, run_dir, self.inference, self.log)
+        self.colocated_gpu = cfg.placement == Placement.colocated and bool(
+            cfg.cluster.gpus_per_node
+        )
         self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
         self.tokenizer = None
         if self.env.max_turns > 1:  # multi-turn rollouts send token ids
@@ -437,7 +455,7 @@ class Orchestrator:
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
         kept: list[tuple[Example, list[dict[str, Any]], Group]] = []
         filtered, versions = 0, set()
-        t0 = time.monotonic()
+        started_at, t0 = time.time(), time.monotonic()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
             examples = rng.sample(self.env.train_examples(), want - len(kept))
             choices = self.rollouts(examples, n, algo.temperature)
@@ -459,11 +477,13 @@ class Orchestrator:
         groups[0].samples[0].filtered_groups = filtered
         choices = [c for _, mine, _ in kept for c in mine]
         # Recorded before the push, so it precedes the train record of the step it feeds.
-        record = rollout_record(step, choices, gen_s, self.weights.load_s)
+        record = rollout_record(step, choices, started_at, gen_s, self.weights.load_s)
         self.run_dir.append_metrics(record.to_json())
         self.weights.load_s = 0.0
         self.push(groups, step)
         self.save_rollouts(step, *kept[0])
+        if self.colocated_gpu:  # the trainer's turn: it gets the GPU to itself
+            self.inference.sleep()
         self.log.info(
             "batch %d generated with version %s in %.2f s (%d groups, %d filtered)",
             step,

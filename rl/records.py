@@ -353,11 +353,16 @@ class RolloutRecord:
     """Tokens the model generated in each completion (its own turns only)."""
     truncated: int
     """Completions cut at `max_tokens` rather than ended by the model."""
+    started_at: float
+    """Wall clock (time.time()) when generating the batch began, after the weights it waited
+    for were loaded."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": RecordKind.rollout.value,
             "step": self.step,
+            "at/generate_start": self.started_at,
+            "at/generate_end": self.started_at + self.generate_s,
             "time/generate": self.generate_s,
             "time/weight_load": self.weight_load_s,
             "response/length_mean": sum(self.lengths) / max(len(self.lengths), 1),

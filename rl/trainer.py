@@ -172,8 +172,9 @@ class Trainer:
             )
             del whole
         self.log.info(
-            "mesh %s: %.1f MB of parameters on this rank",
+            "mesh %s on %s: %.1f MB of parameters on this rank",
             self.dims,
+            self.device,
             parallel.local_parameter_bytes(self.model) / 1e6,
         )
         self.optimizer = torch.optim.AdamW(
@@ -457,11 +458,14 @@ class Trainer:
             t0 = time.monotonic()
             batch = self.fetch(http, queue, step)
             t_fetch = time.monotonic() - t0
+            train_start = time.time()
             stats = self.train_step(batch.samples, batch.micro_batches)
             t_train = time.monotonic() - t0 - t_fetch
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
             times = {
+                "at/train_start": train_start,  # wall clock, to line up with generation's
+                "at/train_end": time.time(),
                 "time/step": elapsed,
                 "time/wait_batch": t_fetch,
                 "time/train": t_train,

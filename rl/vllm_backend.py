@@ -336,6 +336,17 @@ def build_app(front: VllmFrontend, token: str, run_dir: Path | None = None) -> F
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
 
+    @app.post("/admin/sleep", dependencies=[Depends(authorized)])
+    async def sleep() -> dict:
+        # Level 1: weights offloaded to host memory, KV cache dropped (--enable-sleep-mode).
+        await front._admin("/sleep", params={"level": "1"})
+        return {"asleep": True}
+
+    @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
+    async def wake_up() -> dict:
+        await front._admin("/wake_up")
+        return {"asleep": False}
+
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> dict:
         body = await request.json()

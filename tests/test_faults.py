@@ -169,7 +169,7 @@ def test_interrupted_run_resumes_with_continuous_history_and_extends(
     first.send_signal(signal.SIGINT)  # Ctrl-C
     _, stderr = first.communicate(timeout=60)
     assert first.returncode == 130
-    assert not (run_dir / "summary.json").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     # Ctrl-C says how to resume, and where the run will pick up.
     hint = re.search(r"to resume at step (\d+), after checkpoint step_(\d+): (.*)", stderr)
     assert hint, stderr[-2000:]

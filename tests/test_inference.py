@@ -187,6 +187,18 @@ def test_server_health_and_completions(server: Any) -> None:
 
 
 @pytest.mark.slow
+def test_sleep_and_wake_up_keep_serving_the_same_weights(server: Any) -> None:
+    """Colocated placement puts the server to sleep while the trainer runs: on GPU its
+    weights leave the device; on CPU it gives nothing back, and serves the same after waking."""
+    greedy = {"prompt": PROMPTS[:1], "max_tokens": 8, "temperature": 0.0}
+    before = complete(server.client, **greedy).json()["choices"][0]["token_ids"]
+    assert server.client.post("/admin/sleep").json() == {"asleep": True, "device_bytes": 0}
+    assert server.client.post("/admin/wake_up").json() == {"asleep": False, "device_bytes": 0}
+    assert complete(server.client, **greedy).json()["choices"][0]["token_ids"] == before
+    assert httpx.post(f"{server.url}/admin/sleep").status_code == 401  # needs the token
+
+
+@pytest.mark.slow
 def test_server_rejects_bad_requests(server: Any) -> None:
     no_token = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab"})
     assert no_token.status_code == 401

@@ -3,8 +3,11 @@ placement the planner makes when inference and trainer must use the same GPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,62 @@ def test_two_gpus_give_each_role_its_own() -> None:
     (server,) = p.role("inference")
     (trainer,) = p.role("trainer")
     assert server.env["CUDA_VISIBLE_DEVICES"] == "0" and trainer.env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def run_on_the_gpu(tmp_path: Path, *overrides: str) -> dict:
+    """A short reverse-text run with embedded inference on this machine's one GPU (found by
+    nvidia-smi); its summary."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "max_steps=20", "warmup.steps=20",
+         "inference.backend=embedded", "environment.eval_size=64", f"hydra.run.dir={run_dir}",
+         *overrides],
+        cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": "0"},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert " on cuda:0: " in trainer_log, trainer_log[-2000:]  # the trainer's device
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_shared_placement_trains_on_one_gpu(tmp_path: Path) -> None:
+    summary = run_on_the_gpu(tmp_path, "cluster.gpus_per_node=1")
+    assert summary["status"] == "finished" and summary["steps"] == 20
+    plan = (tmp_path / "run" / "plan.json").read_text()
+    assert "shared by inference and trainer, side by side" in plan
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_colocated_placement_trains_on_one_gpu(tmp_path: Path) -> None:
+    summary = run_on_the_gpu(tmp_path, "cluster.gpus_per_node=1", "placement=colocated")
+    assert summary["status"] == "finished" and summary["steps"] == 20
+    log = (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+    assert "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_gpu_check_skips_without_a_gpu_and_runs_its_steps_with_one(
+    tmp_path: Path, fake_nvidia_smi
+) -> None:
+    """.ci/gpu-check as far as a CPU machine takes it: without nvidia-smi it skips; with one
+    that answers (a fake, reporting one RTX 4090) it saves the query, runs the gpu tests (which
+    skip here, torch seeing no CUDA device) and both short runs, and prints their samples/s."""
+    script = ROOT / ".ci" / "gpu-check"
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    bare = subprocess.run([script, tmp_path / "bare"], env=env, capture_output=True, text=True)
+    assert bare.returncode == 0 and bare.stdout.strip() == "no GPU: skipped"
+    fake_nvidia_smi("nvidia-smi-rtx4090.csv")
+    quick = {**os.environ, "GPU_CHECK_STEPS": "4", "GPU_CHECK_RUN_S": "600"}
+    out = subprocess.run([script, tmp_path / "out"], env=quick, capture_output=True, text=True)
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert out.returncode == 0, log[-3000:]
+    saved = (tmp_path / "out" / "nvidia-smi.csv").read_text()
+    assert saved == (FIXTURES / "nvidia-smi-rtx4090.csv").read_text()
+    assert "== gpu tests" in log and "skipped" in log
+    rates = [x for x in log.splitlines() if x.split()[:1] in (["gpu"], ["cpu"])]
+    assert len(rates) == 2 and all(" samples/s " in x for x in rates), log[-3000:]
+    assert log.rstrip().splitlines()[-1].startswith("gpu-check: passed")
