@@ -278,7 +278,7 @@ class Episode:
         self.turns.append(choice["text"])
         self.text += choice["text"]
         self.versions += [choice["policy_version"], choice["policy_version_max"]]
-        self.finish_reason = choice["finish_reason"]
+        self.finish_reason = choice.get("finish_reason", "stop")
 
     def add_env_turn(self, text: str, ids: list[int]) -> None:
         self.env_spans.append([len(self.ids), len(self.ids) + len(ids)])
@@ -364,7 +364,7 @@ def rollout_record(
         len(c["token_ids"]) - sum(end - begin for begin, end in c.get("env_spans") or [])
         for c in choices
     ]
-    truncated = sum(c["finish_reason"] == "length" for c in choices)
+    truncated = sum(c.get("finish_reason") == "length" for c in choices)
     return RolloutRecord(step + 1, gen_s, load_s, lengths, truncated, started_at)
 
 
