@@ -126,7 +126,9 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
     follow = Follow(cfg, run, echo=True, group=sweep_group())
     children = start_children(run_plan, run, token)
     watch = Watch(cfg, run, children)
+    # Ctrl-C and SIGTERM stop the run, also where SIGINT came ignored (a background job).
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous_int = signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         supervise(run_plan, run, watch, follow)
     except KeyboardInterrupt:
@@ -139,6 +141,7 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     _end(cfg, run, children, watch, follow, "finished")
 
 
