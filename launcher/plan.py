@@ -446,7 +446,8 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
     """Arguments of vLLM's OpenAI server for one replica of this model and layout."""
     model, inf, cluster = cfg.model, cfg.parallel.inference, cfg.cluster
     serve = model.inference
-    gpus = max(cluster.gpus_per_node, 1)
+    found = cluster.gpus_per_node or 0  # None (not yet filled in by plan()): none
+    gpus = max(found, 1)
     dp = gpus // inf.tp if inf.dp == -1 else inf.dp
     args = ["--model", model.path or model.hf_id or model.name, "--served-model-name", model.name]
     args += ["--tensor-parallel-size", str(inf.tp)]
@@ -458,9 +459,9 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
         args += ["--pipeline-parallel-size", str(replica_nodes)]
     if inf.expert_parallel:
         args.append("--enable-expert-parallel")
-    args += ["--dtype", "float32" if cluster.gpus_per_node == 0 else model.dtype]
+    args += ["--dtype", "float32" if found == 0 else model.dtype]
     args += ["--max-model-len", str(max_model_len(cfg))]
-    if cluster.gpus_per_node:
+    if found:
         share = shared_split(cfg).utilization if _shared(cfg) else serve.gpu_memory_utilization
         args += ["--gpu-memory-utilization", str(share)]
         if cfg.placement == Placement.colocated:
