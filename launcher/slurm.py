@@ -234,7 +234,7 @@ def run_state(run: RunDir) -> str:
     return read_summary(run).get("status", "interrupted")
 
 
-def eta(run: RunDir, train: list[dict], max_steps: int) -> str:
+def eta(train: list[dict], max_steps: int) -> str:
     """Time left at the pace of the last steps recorded (their timestamps)."""
     last = sorted(train, key=lambda r: r["step"])[-ETA_WINDOW:]
     if len(last) < 2 or last[-1]["step"] <= last[0]["step"]:
@@ -247,7 +247,8 @@ def format_status(run: RunDir) -> str:
     """The run's state, jobs, latest step and eval, how it ended, and where its logs are, for
     `action=status`."""
     state = run_state(run)
-    lines = [f"run {run.root}: {state}", *_job_lines(read_jobs(run)), *_attempt_lines(run)]
+    jobs = read_jobs(run)
+    lines = [f"run {run.root}: {state}", *_job_lines(jobs), *_attempt_lines(run)]
     records = read_records(run.metrics)
     train, evaluation = (
         _newest([r for r in records if is_train(r)]),
@@ -255,7 +256,7 @@ def format_status(run: RunDir) -> str:
     )
     if train:
         max_steps = run.load_config().max_steps
-        pace = eta(run, [r for r in records if is_train(r)], max_steps)
+        pace = eta([r for r in records if is_train(r)], max_steps)
         lines.append(
             f"  latest step {train['step']}/{max_steps}: reward {train['reward/mean']:.3f}"
             f"{pace if state == 'running' else ''}"
@@ -272,10 +273,10 @@ def format_status(run: RunDir) -> str:
     reason = failure_reason(run)
     if reason is not None:
         lines.append(f"  ended: {reason}")
-    if state in ("interrupted", "failed", "stopped") and not read_jobs(run):
+    if state in ("interrupted", "failed", "stopped") and not jobs:
         lines.append(f"  resume at {run.resume_point()}: uv run rl resume={run.root}")
     lines.append(f"  logs: {run.logs}/")
-    if read_jobs(run):
+    if jobs:
         lines.append(f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out")
     return "\n".join(lines)
 
