@@ -603,6 +603,10 @@ def plan(cfg: DictConfig) -> RunPlan:
     found = _fill_gpus(cfg)
     try:
         locate_environment(cfg.environment.name)  # built in, or an installed package's
+        if cfg.environment.name == "agent":  # the agent is the user's code: load it now
+            from rl.agents import check_config
+
+            check_config(cfg.environment)
     except ValueError as err:
         raise PlanError(str(err)) from None
     if cfg.max_steps < 1:

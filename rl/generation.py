@@ -1,15 +1,18 @@
 """Batched generation over a transformers causal LM, with per-row sampling settings.
 
 The embedded inference engine (rl/inference.py) decodes every merged batch with `generate`:
-prompts left-padded into one batch, a KV cache, and per-row max_tokens, temperature and random
-generator (rows sharing a generator draw from it together, which makes seeded requests
-reproducible whatever they are batched with). Kept apart from the server so that tests and
-benchmarks can generate without starting one.
+prompts left-padded into one batch, a KV cache, and per-row max_tokens, temperature, top_p,
+stop strings and random generator (rows sharing a generator draw from it together, which makes
+seeded requests reproducible whatever they are batched with). Kept apart from the server so that
+tests and benchmarks can generate without starting one.
+
+Logprobs are always those of the temperature-scaled distribution before top_p cuts it: the
+probability the policy assigns, which is what the trainer recomputes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -17,11 +20,29 @@ if TYPE_CHECKING:
 
 
 class Sample(NamedTuple):
-    """One decoded sequence: sampled ids (EOS included when it stopped there) and their logprobs."""
+    """One decoded sequence: sampled ids (EOS, or the token completing a stop string, included
+    when it stopped there) and their logprobs."""
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    top: list[list[tuple[int, float]]] | None = None
+    """Per position, the `top_logprobs` most likely ids and their logprobs (when asked)."""
+
+
+class Limits(NamedTuple):
+    """Per-row sampling settings beyond temperature: nucleus, stop strings, alternatives."""
+
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+
+
+NO_LIMITS = Limits()
+
+StepSink = Callable[[list[int], list[float], list[bool]], None]
+"""Called after every decoding step with each row's new token, its logprob, and whether the row
+was still decoding (streaming reads it)."""
 
 
 def _per_row(value: Any, rows: int) -> list[Any]:
@@ -39,14 +60,30 @@ def _left_pad(prompts_ids: list[list[int]], pad_id: int, device: Any) -> tuple[A
     return ids.to(device), mask.long().to(device)
 
 
+def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`logp` with every token outside each row's nucleus (the fewest most likely tokens whose
+    probability reaches top_p) set to -inf."""
+    import torch
+
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()  # mass of the likelier tokens
+    cut = before >= top_p[:, None]
+    cut[:, 0] = False  # the likeliest token is always kept
+    return logp.scatter(1, order, sorted_logp.masked_fill(cut, -torch.inf))
+
+
 def _sample(
-    logits: torch.Tensor, temperature: torch.Tensor, groups: dict[int, tuple[Any, list[int]]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens and their logprobs under the temperature-scaled softmax (plain at 0).
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    groups: dict[int, tuple[Any, list[int]]],
+    top_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Next tokens and their logprobs under the temperature-scaled softmax (plain at 0), and
+    that distribution itself.
 
     Sampling is Gumbel-max with uniform noise drawn per generator group: each group draws the
     same amount of noise every step, so a seeded request's tokens do not depend on which other
-    requests share its batch.
+    requests share its batch. Rows with top_p < 1 draw only from their nucleus.
     """
     import torch
 
@@ -58,8 +95,9 @@ def _sample(
         shape = (len(rows), logp.shape[1])
         noise[rows] = torch.rand(shape, generator=generator, device=logp.device)
     gumbel = -torch.log(-torch.log(noise.clamp_min(torch.finfo(noise.dtype).tiny)))
-    tokens = torch.where(greedy, logp.argmax(-1), (logp + gumbel).argmax(-1))
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    drawn_from = logp if top_p is None else _nucleus(logp, top_p)
+    tokens = torch.where(greedy, logp.argmax(-1), (drawn_from + gumbel).argmax(-1))
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
 
 
 def generate(
@@ -69,18 +107,28 @@ def generate(
     max_tokens: int | Sequence[int],
     temperature: float | Sequence[float],
     generators: Sequence[torch.Generator | None] | None = None,
+    limits: Limits | Sequence[Limits] = NO_LIMITS,
+    on_step: StepSink | None = None,
 ) -> list[Sample]:
     """Decode every prompt in one left-padded batch with a KV cache; per-row limits and RNGs.
 
-    `max_tokens`, `temperature` and `generators` are one value for all rows or one per row; rows
-    sharing a generator object draw from it together, None uses torch's default generator.
+    `max_tokens`, `temperature`, `generators` and `limits` are one value for all rows or one per
+    row; rows sharing a generator object draw from it together, None uses torch's default
+    generator. A row with stop strings ends at the token whose text completes one. `on_step`
+    sees every step's tokens as they are drawn.
     """
     import torch
     from transformers import DynamicCache
 
     rows, device = len(prompts_ids), model.device
-    limits = torch.tensor(_per_row(max_tokens, rows), device=device)
+    caps = torch.tensor(_per_row(max_tokens, rows), device=device)
     temps = torch.tensor(_per_row(temperature, rows), dtype=torch.float32, device=device)
+    row_limits = [limits] * rows if isinstance(limits, Limits) else list(limits)
+    top_p = None
+    if any(lim.top_p < 1 for lim in row_limits):
+        top_p = torch.tensor([lim.top_p for lim in row_limits], device=device)
+    top_k = max(lim.top_logprobs for lim in row_limits)
+    stops = StopStrings(tokenizer, [lim.stop for lim in row_limits])
     groups: dict[int, tuple[Any, list[int]]] = {}
     for row, gen in enumerate(_per_row(generators, rows)):
         groups.setdefault(id(gen), (gen, []))[1].append(row)
@@ -92,7 +140,7 @@ def generate(
     source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts_ids])
     ids, mask = _left_pad([list(p) for p in distinct], pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache, steps_ids, steps_logp = DynamicCache(config=model.config), [], []
+    cache, steps_ids, steps_logp, steps_top = DynamicCache(config=model.config), [], [], []
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -113,15 +161,71 @@ def generate(
                 source = source.to(device)
                 cache.reorder_cache(source)
                 logits, mask, positions = logits[source], mask[source], positions[source]
-            tokens, logp = _sample(logits, temps, groups)
+            tokens, logp, dist = _sample(logits, temps, groups, top_p)
             tokens = torch.where(done, pad_id, tokens)
             steps_ids.append(tokens)
             steps_logp.append(logp)
-            lengths += (~done).long()
-            stopped |= ~done & (tokens == eos_id)
-            done |= stopped | (lengths >= limits)
+            if top_k:
+                steps_top.append(dist.topk(min(top_k, dist.shape[1]), dim=-1))
+            active = ~done
+            lengths += active.long()
+            stopped |= active & (tokens == eos_id)
+            if stops.any or on_step is not None:
+                new, alive = tokens.tolist(), active.tolist()
+                if on_step is not None:
+                    on_step(new, logp.tolist(), alive)
+                if stops.any:
+                    hit = stops.advance(new, alive)
+                    stopped |= torch.tensor(hit, dtype=torch.bool, device=device)
+            done |= stopped | (lengths >= caps)
     all_ids, all_logp = torch.stack(steps_ids, 1).tolist(), torch.stack(steps_logp, 1).tolist()
+    tops = _alternatives(steps_top, [lim.top_logprobs for lim in row_limits])
     return [
-        Sample(all_ids[r][:n], all_logp[r][:n], "stop" if stop else "length")
+        Sample(
+            all_ids[r][:n],
+            all_logp[r][:n],
+            "stop" if stop else "length",
+            tops[r][:n] if tops[r] else None,
+        )
         for r, (n, stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
     ]
+
+
+def _alternatives(steps_top: list[Any], wanted: list[int]) -> list[list[Any] | None]:
+    """Per row, per step, the row's `wanted` likeliest (id, logprob) pairs (None: not asked)."""
+    if not steps_top:
+        return [None] * len(wanted)
+    import torch
+
+    values = torch.stack([t.values for t in steps_top], 1).tolist()
+    indices = torch.stack([t.indices for t in steps_top], 1).tolist()
+    return [
+        [
+            list(zip(ids[:k], lps[:k], strict=True))
+            for ids, lps in zip(indices[r], values[r], strict=True)
+        ]
+        if k
+        else None
+        for r, k in enumerate(wanted)
+    ]
+
+
+class StopStrings:
+    """Which rows' generated text has come to contain one of their stop strings. The text is
+    decoded from the row's tokens as they arrive; only rows with stop strings are decoded."""
+
+    def __init__(self, tokenizer: Any, per_row: list[tuple[str, ...]]) -> None:
+        self.tokenizer, self.per_row = tokenizer, per_row
+        self.any = any(per_row)
+        self.ids: list[list[int]] = [[] for _ in per_row]
+
+    def advance(self, tokens: list[int], alive: list[bool]) -> list[bool]:
+        hits = []
+        for row, (token, live, stop) in enumerate(zip(tokens, alive, self.per_row, strict=True)):
+            if not (live and stop):
+                hits.append(False)
+                continue
+            self.ids[row].append(token)
+            text = self.tokenizer.decode(self.ids[row], skip_special_tokens=True)
+            hits.append(any(s in text for s in stop))
+        return hits

@@ -1,4 +1,4 @@
-"""The embedded inference server: an OpenAI-style completions API over a transformers model.
+"""The embedded inference server: OpenAI's completions and chat API over a transformers model.
 
 It serves CPU runs and small single-GPU runs without vLLM, and is the reference the vLLM backend
 is held to. One engine thread owns the model: it merges concurrent requests into one left-padded
@@ -16,21 +16,21 @@ import logging
 import sys
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from rl.auth import bearer_guard
 from rl.config import Backend, RunConfig
 from rl.derive import inference_backend, max_model_len
-from rl.generation import Sample, generate
-from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
+from rl.generation import NO_LIMITS, Limits, StepSink, generate
+from rl.model import ensure_checkpoint, load_model, load_tokenizer
+from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.rundir import RunDir
 from rl.runtime import (
     listen_socket,
@@ -79,13 +79,16 @@ def load_state_in_place(model: Any, state: dict[str, Any], source: str) -> None:
 
 @dataclass
 class CompletionJob:
-    """One HTTP completions request, tokenized and validated, waiting for the engine."""
+    """One HTTP completions request, tokenized and validated, waiting for the engine.
+    `sink`, when set, sees each decoding step's tokens for this job's rows (streaming)."""
 
     prompts_ids: list[list[int]]
     n: int
     max_tokens: int
     temperature: float
     seed: int | None
+    limits: Limits = NO_LIMITS
+    sink: Callable[[Deltas], None] | None = None
     future: Future = field(default_factory=Future)
 
     @property
@@ -271,18 +274,20 @@ class Engine:
     def _run_batch(self, jobs: list[CompletionJob]) -> None:
         import torch
 
-        prompts, limits, temps, gens = [], [], [], []
+        prompts, caps, temps, gens, limits = [], [], [], [], []
         for job in jobs:
             gen = self.generator
             if job.seed is not None:
                 gen = torch.Generator(device=self.model.device).manual_seed(job.seed)
             for prompt in job.prompts_ids:
                 prompts += [prompt] * job.n
-                limits += [job.max_tokens] * job.n
+                caps += [job.max_tokens] * job.n
                 temps += [job.temperature] * job.n
                 gens += [gen] * job.n
+                limits += [job.limits] * job.n
         start = time.perf_counter()
-        samples = generate(self.model, self.tokenizer, prompts, limits, temps, gens)
+        on_step = _stream_to(jobs) if any(job.sink for job in jobs) else None
+        samples = generate(self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step)
         tokens = sum(len(s.token_ids) for s in samples)
         seconds = time.perf_counter() - start
         self.logger.debug("batch of %d rows: %d tokens in %.2f s", len(prompts), tokens, seconds)
@@ -290,6 +295,68 @@ class Engine:
         for job in jobs:
             job.future.set_result((self.version, samples[offset : offset + job.rows]))
             offset += job.rows
+
+
+def _stream_to(jobs: list[CompletionJob]) -> StepSink:
+    """A step sink handing each streaming job its own rows' new tokens (job-local indices)."""
+    spans, at = [], 0
+    for job in jobs:
+        spans.append((job, at, at + job.rows))
+        at += job.rows
+
+    def on_step(tokens: list[int], _: list[float], alive: list[bool]) -> None:
+        for job, begin, end in spans:
+            if job.sink is not None:
+                new = [(k - begin, [tokens[k]]) for k in range(begin, end) if alive[k]]
+                if new:
+                    job.sink(new)
+
+    return on_step
+
+
+class EngineBackend:
+    """The engine as the OpenAI routes' backend (rl/openai_api.py): requests become jobs, and a
+    streamed one gets its tokens from the engine thread step by step."""
+
+    def __init__(self, engine: Engine, max_len: int) -> None:
+        self.engine, self.max_len = engine, max_len
+        self.model_name, self.tokenizer = engine.model_name, engine.tokenizer
+        self.max_rows, self.vocab_size = engine.max_batch_size, engine.vocab_size
+
+    def _job(self, prompts: list[list[int]], params: Params, sink: Any = None) -> CompletionJob:
+        return CompletionJob(
+            prompts, params.n, params.max_tokens, params.temperature, params.seed,
+            params.limits, sink,
+        )  # fmt: skip
+
+    async def generate(self, prompts: list[list[int]], params: Params) -> Result:
+        try:
+            version, samples = await asyncio.wrap_future(
+                self.engine.submit(self._job(prompts, params))
+            )
+        except EngineStopped as exc:
+            raise APIError(503, str(exc)) from exc
+        return Result(version, version, samples)
+
+    async def stream(
+        self, prompts: list[list[int]], params: Params
+    ) -> AsyncIterator[Deltas | Result]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Deltas | None] = asyncio.Queue()
+
+        def sink(deltas: Deltas) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, deltas)
+
+        future = self.engine.submit(self._job(prompts, params, sink))
+        # Queued after every step's tokens, from the same thread: it arrives last.
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        while (deltas := await queue.get()) is not None:
+            yield deltas
+        try:
+            version, samples = future.result()
+        except EngineStopped as exc:
+            raise APIError(503, str(exc)) from exc
+        yield Result(version, version, samples)
 
 
 class EmbeddedReceiver:
@@ -316,96 +383,11 @@ class EmbeddedReceiver:
         await asyncio.wrap_future(self.engine.submit(LoadJob(None, version, self.receiver)))
 
 
-class CompletionRequest(BaseModel):
-    """The subset of OpenAI's completions request the orchestrator uses."""
-
-    model: str = ""
-    prompt: str | list[str] | list[int] | list[list[int]]
-    """Text, texts, token ids, or a list of token-id lists (multi-turn rollouts send ids)."""
-    max_tokens: int = 16
-    temperature: float = 1.0
-    n: int = 1
-    logprobs: int | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    """Seeds the request's own generator; torch takes seeds below 2**63 here."""
-    stop: str | list[str] | None = None  # accepted for compatibility, not applied
-
-
 class LoadWeightsRequest(BaseModel):
     """A published version of this run; `path`, if sent, must be its `weights/step_N`."""
 
     version: int
     path: str | None = None
-
-
-def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
-    """The request's prompts as token-id lists; text is encoded as `encode_prompt` does."""
-    if isinstance(prompt, str):
-        return [encode_prompt(tokenizer, prompt)]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]
-    return [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompt]
-
-
-def check_request(
-    body: CompletionRequest, ids: list[list[int]], max_len: int, max_rows: int, vocab_size: int
-) -> str:
-    """Why the request cannot be served ("" when it can): checked before anything is queued."""
-    if not ids:
-        return "prompt is an empty list; send a string or a non-empty list of strings"
-    if body.n < 1 or body.max_tokens < 1 or body.temperature < 0:
-        got = f"n={body.n}, max_tokens={body.max_tokens}, temperature={body.temperature}"
-        return f"need n >= 1, max_tokens >= 1 and temperature >= 0; got {got}"
-    if len(ids) * body.n > max_rows:
-        return f"{len(ids)} prompts x n={body.n} exceeds inference.max_batch_size={max_rows}"
-    for i, prompt in enumerate(ids):
-        if not prompt or len(prompt) + body.max_tokens > max_len:
-            total = f"{len(prompt)} tokens + max_tokens={body.max_tokens}"
-            return f"prompt {i}: {total} must be between 1 and the context length {max_len}"
-        if (bad := next((t for t in prompt if not 0 <= t < vocab_size), None)) is not None:
-            return f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})"
-    return ""
-
-
-def _choice(tokenizer: Any, index: int, prompt: list[int], sample: Sample, logprobs: bool) -> dict:
-    text_ids = sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids
-    choice = {
-        "index": index,
-        "text": tokenizer.decode(text_ids, skip_special_tokens=True),
-        "finish_reason": sample.finish_reason,
-        "prompt_token_ids": prompt,
-        "token_ids": sample.token_ids,
-        "logprobs": None,
-    }
-    if logprobs:
-        tokens = [tokenizer.decode([t]) for t in sample.token_ids]
-        choice["logprobs"] = {"tokens": tokens, "token_logprobs": sample.logprobs}
-    return choice
-
-
-def _response(
-    body: CompletionRequest, ids: list[list[int]], result: tuple[int, list[Sample]], engine: Engine
-) -> dict:
-    """The OpenAI completions response; choices are prompt-major (index = prompt * n + sample)."""
-    version, samples = result
-    want_logprobs = body.logprobs is not None
-    choices = [
-        _choice(engine.tokenizer, k, ids[k // body.n], sample, want_logprobs)
-        for k, sample in enumerate(samples)
-    ]
-    prompt_tokens = sum(len(p) for p in ids)
-    completion_tokens = sum(len(s.token_ids) for s in samples)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-    usage["total_tokens"] = prompt_tokens + completion_tokens
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": engine.model_name,
-        "policy_version": version,
-        "choices": choices,
-        "usage": usage,
-    }
 
 
 # Generous for any servable request: a token costs at most a few bytes as a JSON id, and text
@@ -455,7 +437,6 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
     """The HTTP routes; every handler awaits the engine thread's future, never the model.
     Weights load from `run_dir`'s published versions only (none without one)."""
     from fastapi import Depends, FastAPI, HTTPException
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     authorized = bearer_guard(token)
@@ -463,11 +444,7 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
     # The OpenAPI description is served behind the token like every route but /health.
     app = FastAPI(title="relay-inference", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=body_limit(max_len, engine.max_batch_size))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
-        reasons = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse({"detail": "; ".join(reasons)}, status_code=400)
+    add_openai_routes(app, EngineBackend(engine, max_len), authorized)
 
     @app.get("/health")
     async def health() -> Any:
@@ -500,19 +477,6 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
     @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
     async def wake_up() -> dict:
         return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
-
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest) -> dict:
-        # Off the event loop: a long text takes a while to tokenize, and /health must answer.
-        ids = await asyncio.to_thread(prompt_ids, engine.tokenizer, body.prompt)
-        if reason := check_request(body, ids, max_len, engine.max_batch_size, engine.vocab_size):
-            raise HTTPException(400, reason)
-        job = CompletionJob(ids, body.n, body.max_tokens, body.temperature, body.seed)
-        try:
-            result = await asyncio.wrap_future(engine.submit(job))
-        except EngineStopped as exc:
-            raise HTTPException(503, str(exc)) from exc
-        return _response(body, ids, result, engine)
 
     return app
 

@@ -37,12 +37,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RELAY_CACHE", Path.home() / ".cache" / "relay"))
 
 
-def build_char_tokenizer(vocab_size: int) -> Any:
-    """A character-level tokenizer: specials, then lowercase letters, digits, punctuation."""
+def build_char_tokenizer(vocab_size: int, chars: str = CHARS) -> Any:
+    """A character-level tokenizer: specials, then `chars` (by default lowercase letters,
+    digits, punctuation: the tiny model's)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    symbols = [PAD, BOS, EOS, UNK, *CHARS]
+    symbols = [PAD, BOS, EOS, UNK, *chars]
     if len(symbols) > vocab_size:
         raise ValueError(f"model.vocab_size={vocab_size} is below the {len(symbols)} characters")
     vocab = {s: i for i, s in enumerate(symbols)}

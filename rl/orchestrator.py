@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,13 @@ class InferenceClient:
             time.sleep(1.0)
 
     def complete(
-        self, i: int, prompts: list[Any], n: int, max_tokens: int, temperature: float
+        self,
+        i: int,
+        prompts: list[Any],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        stop: list[str] | None = None,
     ) -> dict[str, Any]:
         body = {
             "model": self.model,
@@ -153,6 +160,8 @@ class InferenceClient:
             "temperature": temperature,
             "logprobs": 1,
         }
+        if stop:
+            body["stop"] = stop
         return self.call(i, "/v1/completions", body)
 
     def complete_all(
@@ -238,6 +247,12 @@ def score_group(
             choices, rewards, advantages, versions, newest, extra, strict=True
         )
     ]
+    samples += [  # an agent's episode that drifted: its earlier samples, with its reward
+        replace(sample, prompt_ids=seg["prompt_token_ids"], completion_ids=seg["token_ids"],
+                logprobs=seg["logprobs"]["token_logprobs"], env_spans=seg["env_spans"])
+        for c, sample in zip(choices, list(samples), strict=True)
+        for seg in c.get("segments", [])
+    ]  # fmt: skip
     return Group(samples, min_version=min(versions), max_version=max(newest))
 
 
@@ -403,9 +418,15 @@ class Orchestrator:
             self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
         self.max_len = max_model_len(cfg)
 
-    def rollouts(self, examples: list[Example], n: int, temperature: float) -> list[dict[str, Any]]:
-        """`n` completion choices per example (example-major), single- or multi-turn."""
+    def rollouts(
+        self, examples: list[Example], n: int, temperature: float
+    ) -> list[dict[str, Any] | None]:
+        """`n` completion choices per example (example-major), single- or multi-turn, or
+        played by the environment itself (None: an episode without a model turn)."""
         max_tokens = self.cfg.environment.max_tokens
+        own = self.env.rollouts(self.inference, examples, n, temperature, self.max_len)
+        if own is not None:
+            return own
         if self.tokenizer is None:
             return self.inference.complete_all(
                 [e.prompt for e in examples], n, max_tokens, temperature
@@ -428,9 +449,11 @@ class Orchestrator:
         examples = self.env.eval_examples()
         t0 = time.monotonic()
         choices = self.rollouts(examples, 1, 0.0)
-        scored = [(e, completion(c)) for e, c in zip(examples, choices, strict=True)]
-        rewards = [self.env.score(e, c) for e, c in scored]
+        scored = [(e, completion(c)) for e, c in zip(examples, choices, strict=True) if c]
+        rewards = [self.env.score(e, c) for e, c in scored]  # no model turn: 0, not solved
+        rewards += [0.0] * (len(examples) - len(scored))
         exact = [self.env.exact_match(e, c) for e, c in scored]
+        exact += [False] * (len(examples) - len(scored))
         record = EvalRecord(
             step=self.version,
             exact_match=sum(exact) / len(exact),
@@ -459,9 +482,12 @@ class Orchestrator:
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
             examples = rng.sample(self.env.train_examples(), want - len(kept))
             choices = self.rollouts(examples, n, algo.temperature)
-            versions |= {c["policy_version"] for c in choices}
+            versions |= {c["policy_version"] for c in choices if c}
             for i, example in enumerate(examples):
-                mine = choices[i * n : (i + 1) * n]
+                mine = [c for c in choices[i * n : (i + 1) * n] if c]
+                if not mine:  # no episode reached the model (agents that failed at once)
+                    filtered += 1
+                    continue
                 group = score_group(
                     self.env, self.advantage, example, mine, algo.length_penalty, env_cfg.max_tokens
                 )
@@ -473,6 +499,11 @@ class Orchestrator:
             if len(kept) == want:
                 break
         gen_s = time.monotonic() - t0
+        if not kept:
+            raise RuntimeError(
+                f"batch {step}: no episode of {MAX_FILL_ROUNDS} rounds reached the model (every "
+                "agent failed before its first request; the warnings above say why)"
+            )
         groups = [g for _, _, g in kept]
         groups[0].samples[0].filtered_groups = filtered
         choices = [c for _, mine, _ in kept for c in mine]

@@ -2,8 +2,9 @@
 
 The role starts vLLM's server (arguments from the plan) on a private port and serves the same
 HTTP contract as the embedded engine in front of it, so the orchestrator has one client:
-- /v1/completions is forwarded with prompts sent as token ids (BOS included, as the embedded
-  engine does) and `return_token_ids`, and answered with the policy version(s) that served it;
+- the OpenAI routes (rl/openai_api.py, shared with the embedded engine: chat templates, tool
+  calls, streaming, errors) send every request on to vLLM's /v1/completions as token ids with
+  `return_token_ids`, and answer with the policy version(s) that served it;
 - /admin/load_weights swaps weights in place: vLLM pauses (keeping in-flight requests), reloads
   `weights/step_N` through its worker's `reload_weights`, drops its prefix cache (built with the
   old weights) and resumes. Requests in flight finish on the new weights;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -37,7 +39,10 @@ from fastapi.responses import JSONResponse
 import rl
 from rl.auth import bearer_guard
 from rl.config import RunConfig
+from rl.derive import max_model_len
+from rl.generation import Sample
 from rl.model import ensure_checkpoint, load_tokenizer
+from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.rundir import RunDir
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
 from rl.weights.published import check_checkpoint, published_dir
@@ -154,40 +159,38 @@ class VllmFrontend:
         self.swap = asyncio.Lock()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text as the embedded engine encodes it (BOS, then the text); token ids as they are
-        (multi-turn episodes send their own)."""
-        if isinstance(prompt, list):
-            return prompt
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + ids
-
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        prompt = body["prompt"]
-        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
-        prompts = [prompt] if single else prompt
-        forward = {
-            **body,
-            "model": self.model_name,
-            "prompt": [self.encode(p) for p in prompts],
-            "return_token_ids": True,
-        }
+        """vLLM's completions answer to `body` (token-id prompts), with the policy versions that
+        served it; a vLLM that dies under the request is waited for and asked again."""
         for attempt in range(MAX_RESTARTS + 1):
             await self.ready.wait()
             before = self.version
             try:
-                response = await self.http.post(f"{self.vllm.url}/v1/completions", json=forward)
+                response = await self.http.post(f"{self.vllm.url}/v1/completions", json=body)
                 break
             except httpx.TransportError:  # vLLM died under the request: wait for the restart
                 if attempt == MAX_RESTARTS:
                     raise
                 await asyncio.sleep(2.0)
         if response.status_code != 200:
-            return {"error": response.text, "status": response.status_code}
+            raise APIError(response.status_code, f"vLLM: {response.text[:1000]}")
         result = response.json()
         result["policy_version"], result["policy_version_max"] = before, self.version
         return result
+
+    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """vLLM's streamed completions chunks for `body`, then one `{"policy_version": ...}`."""
+        await self.ready.wait()
+        before = self.version
+        async with self.http.stream(
+            "POST", f"{self.vllm.url}/v1/completions", json={**body, "stream": True}
+        ) as response:
+            if response.status_code != 200:
+                raise APIError(response.status_code, f"vLLM: {(await response.aread())[:1000]!r}")
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[len("data: ") :])
+        yield {"policy_version": before, "policy_version_max": self.version}
 
     async def load_weights(self, path: Path, version: int) -> dict[str, Any]:
         """Load published `path` as `version` once it is checked (every tensor readable and
@@ -307,11 +310,95 @@ class VllmFrontend:
             self.ready.set()
 
 
-def build_app(front: VllmFrontend, token: str, run_dir: Path | None = None) -> FastAPI:
+class VllmBackend:
+    """The vLLM front as the OpenAI routes' backend (rl/openai_api.py): each request goes to
+    vLLM's completions endpoint as token ids, asking for the token ids and logprobs back (ids,
+    not strings, for the alternatives too), so both backends answer from the same tokens."""
+
+    def __init__(self, front: VllmFrontend, max_len: int, vocab_size: int) -> None:
+        self.front, self.max_len, self.vocab_size = front, max_len, vocab_size
+        self.model_name, self.tokenizer = front.model_name, front.tokenizer
+        self.max_rows = None  # vLLM schedules any number itself
+
+    def body(self, prompts: list[list[int]], params: Params) -> dict[str, Any]:
+        limits = params.limits
+        return {
+            "model": self.model_name,
+            "prompt": prompts,
+            "n": params.n,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": limits.top_p,
+            "seed": params.seed,
+            "stop": list(limits.stop),
+            "logprobs": max(1, limits.top_logprobs),
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+
+    async def generate(self, prompts: list[list[int]], params: Params) -> Result:
+        result = await self.front.complete(self.body(prompts, params))
+        top = params.limits.top_logprobs
+        samples = [_sample(c, top) for c in sorted(result["choices"], key=lambda c: c["index"])]
+        return Result(result["policy_version"], result["policy_version_max"], samples)
+
+    async def stream(
+        self, prompts: list[list[int]], params: Params
+    ) -> AsyncIterator[Deltas | Result]:
+        rows = len(prompts) * params.n
+        parts: list[dict[str, Any]] = [
+            {"token_ids": [], "logprobs": {"token_logprobs": [], "top_logprobs": []}}
+            for _ in range(rows)
+        ]
+        async for chunk in self.front.complete_stream(self.body(prompts, params)):
+            if "policy_version" in chunk and "choices" not in chunk:
+                samples = [_sample(p, params.limits.top_logprobs) for p in parts]
+                yield Result(chunk["policy_version"], chunk["policy_version_max"], samples)
+                return
+            deltas = []
+            for choice in chunk.get("choices", []):
+                part, new = parts[choice["index"]], choice.get("token_ids") or []
+                part["token_ids"] += new
+                got = choice.get("logprobs") or {}
+                part["logprobs"]["token_logprobs"] += got.get("token_logprobs") or []
+                part["logprobs"]["top_logprobs"] += got.get("top_logprobs") or []
+                if choice.get("finish_reason"):
+                    part["finish_reason"] = choice["finish_reason"]
+                if new:
+                    deltas.append((choice["index"], new))
+            if deltas:
+                yield deltas
+
+
+def _sample(choice: dict[str, Any], top: int) -> Sample:
+    """One vLLM choice as the engine's Sample (alternatives' "token_id:N" keys read as ids)."""
+    logprobs = choice.get("logprobs") or {}
+    alternatives = None
+    if top:
+        alternatives = [
+            sorted(((int(k.split(":", 1)[1]), v) for k, v in step.items()), key=lambda a: -a[1])[
+                :top
+            ]
+            for step in logprobs.get("top_logprobs") or []
+        ]
+    return Sample(
+        list(choice["token_ids"]),
+        list(logprobs.get("token_logprobs") or []),
+        choice.get("finish_reason") or "length",
+        alternatives,
+    )
+
+
+def build_app(
+    front: VllmFrontend, token: str, run_dir: Path | None = None, openai: Any = None
+) -> FastAPI:
+    """Relay's routes in front of vLLM; the OpenAI ones over `openai` (a VllmBackend)."""
     authorized = bearer_guard(token)
 
     app = FastAPI(title="relay-inference (vllm)")
     add_routes(app, authorized, front, front.logger)
+    if openai is not None:
+        add_openai_routes(app, openai, authorized)
 
     @app.get("/health")
     async def health() -> Any:
@@ -347,16 +434,6 @@ def build_app(front: VllmFrontend, token: str, run_dir: Path | None = None) -> F
         await front._admin("/wake_up")
         return {"asleep": False}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(request: Request) -> dict:
-        body = await request.json()
-        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str | list):
-            raise HTTPException(400, "body needs a 'prompt' (string or list of strings)")
-        result = await front.complete(body)
-        if "error" in result:
-            raise HTTPException(result["status"], result["error"])
-        return result
-
     return app
 
 
@@ -379,7 +456,8 @@ def serve(
     front.ready.set()
     from rl.runtime import run_token
 
-    app = build_app(front, run_token(run_dir), run_dir)
+    openai = VllmBackend(front, max_model_len(cfg), cfg.model.vocab_size)
+    app = build_app(front, run_token(run_dir), run_dir, openai)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

@@ -306,3 +306,23 @@ def test_slurm_time_limits_are_refused_by_name(overrides: list[str], message: st
     with pytest.raises(PlanError) as err:
         plan(compose_run("cluster=slurm_cpu", *overrides))
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("environment.args.agent=no/such/agent.py:play", "no file no/such/agent.py"),
+        ("environment.args.agent=docs/agents/wordle_agent.py:nothing", "nothing is not a function"),
+        ("environment.args.agent=no_such_module:play", "importing no_such_module failed"),
+        ("environment.args.agent=''", "set exactly one of agent"),
+        ("environment.args.on_drift=sometimes", "on_drift=sometimes"),
+        ("environment.args.tasks=nope", "environment.args.tasks=nope"),
+        ("environment.args.episode_timeout_s=0", "episode_timeout_s=0"),
+    ],
+)
+def test_an_agent_that_cannot_run_is_refused_before_anything_starts(
+    override: str, said: str
+) -> None:
+    with pytest.raises(PlanError, match=said):
+        plan(compose_run("experiment=wordle_agent", override))
+    plan(compose_run("experiment=wordle_agent"))  # the shipped one plans

@@ -41,6 +41,7 @@ from rl.runtime import auth_headers, wait_for_address
 from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
 from rl.trainer import pad_batch, token_logprobs
 from rl.weights.broadcast import InferenceBroadcaster
+from tests import openai_checks
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
 pytestmark = [
@@ -130,6 +131,13 @@ def test_completions_with_logprobs(server: SimpleNamespace) -> None:
     assert "policy_version" in body
     assert server.client.post("/v1/completions", headers={"Authorization": "x"},
                               json={"prompt": "a"}).status_code == 401  # fmt: skip
+
+
+@pytest.mark.parametrize("check", openai_checks.ALL, ids=lambda c: c.__name__)
+def test_official_client_against_the_vllm_front(
+    server: SimpleNamespace, check: Callable[[Any, str], None]
+) -> None:
+    check(openai_checks.client(str(server.client.base_url).rstrip("/"), TOKEN), "tiny")
 
 
 def test_token_id_prompts_pass_through_unchanged(server: SimpleNamespace) -> None:

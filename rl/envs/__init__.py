@@ -119,6 +119,14 @@ class Environment(ABC):
         the episode is over (always, for single-turn environments)."""
         return None
 
+    def rollouts(
+        self, inference: Any, examples: list[Example], n: int, temperature: float, max_len: int
+    ) -> list[dict[str, Any] | None] | None:
+        """Episodes the environment plays itself through `inference` (an agent's, through the
+        proxy: rl/agents.py), as completion choices, None for one with no model turn; None:
+        the orchestrator plays them."""
+        return None
+
 
 ENTRY_POINT_GROUP = "relay.environments"
 """Where installed packages declare environments: `name = "module:Class"`."""
@@ -132,6 +140,7 @@ BUILT_IN = {
     "wordle": "rl.envs.wordle:Wordle",
     "verifiers": "rl.envs.verifiers_env:VerifiersEnvironment",
     "code_repair": "rl.envs.code_repair:CodeRepair",
+    "agent": "rl.agents:AgentEnvironment",
 }
 
 

@@ -19,11 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+from rl.chat import CALL, CHATML, MARK, tools_prompt
+
 JSON_TYPES = {
     "string": str,
     "integer": int,
@@ -32,7 +29,6 @@ JSON_TYPES = {
     "array": list,
     "object": dict,
 }
-MARK = "\x00relay-turn\x00"  # stands for the model's turn while a tool turn is rendered
 
 
 @dataclass(frozen=True)
@@ -114,18 +110,7 @@ def _check_call(raw: Any, tools: dict[str, Tool]) -> ToolCall:
 
 def tools_system_text(tools: list[Tool]) -> str:
     """The tool declarations and call instructions, for a template that cannot render tools."""
-    lines = "\n".join(json.dumps(t.schema()) for t in tools)
-    first = tools[0]
-    example = {"name": first.name, "arguments": {p: "..." for p in first.parameters}}
-    return (
-        "You can call tools. Their signatures, one JSON object per line:\n<tools>\n"
-        f"{lines}\n</tools>\n"
-        "To call one, write a JSON object with the tool name and its arguments inside "
-        'tags, one call per pair:\n<tool_call>\n{"name": <tool-name>, "arguments": '
-        "<args-object>}\n</tool_call>\n"
-        f"For example:\n<tool_call>\n{json.dumps(example)}\n</tool_call>\n"
-        "Answer without a tool call when you are done."
-    )
+    return tools_prompt([t.schema() for t in tools])
 
 
 class ChatFormat:

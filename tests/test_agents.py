@@ -1,0 +1,303 @@
+"""Bring your own agent: agents written with the official `openai` client play episodes through
+the proxy (rl/agents.py) against a real embedded inference server. The recorded samples must
+hold exactly the tokens the server sampled, drifted histories must be caught and counted, and
+agents that raise, hang or send garbage must end only their own episode. The last test trains a
+whole run through this route with docs/agents/wordle_agent.py and misbehaving agents mixed in."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from rl.advantages import ADVANTAGES
+from rl.agents import AgentEnvironment, Task
+from rl.chat import ChatTemplate
+from rl.orchestrator import InferenceClient, score_group
+from rl.testing import ROOT, TOKEN, compose_run, embedded_server
+
+pytestmark = pytest.mark.slow
+RELEASE = threading.Event()  # set at teardown: ends the "hung" agents' threads
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with embedded_server(tmp_path_factory, "experiment=wordle_agent") as running:
+        running.client = InferenceClient(running.run_dir, ["inference-0"], TOKEN, "tiny")
+        yield running
+    RELEASE.set()
+
+
+def environment(server: Any, fn: Any, **args: Any) -> AgentEnvironment:
+    """The experiment's agent environment with `args` set, playing with `fn` when given."""
+    overrides = [f"environment.args.{k}={v}" for k, v in args.items()]
+    env = AgentEnvironment(compose_run("experiment=wordle_agent", *overrides).environment)
+    env.agent = fn or env.agent
+    env.use_tokenizer(server.tokenizer)
+    return env
+
+
+def play(env: AgentEnvironment, server: Any, n: int = 1, temperature: float = 1.0) -> list:
+    example = env.train_examples()[0]
+    return env.rollouts(server.client, [example], n, temperature, 1024)
+
+
+def chat(task: Task) -> openai.OpenAI:
+    return openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+
+
+def model_spans(choice: dict[str, Any]) -> list[list[int]]:
+    """The completion's model turns: the token runs between the added (masked) spans."""
+    ids, spans, at, runs = choice["token_ids"], choice["env_spans"], 0, []
+    for begin, end in [*spans, [len(ids), len(ids)]]:
+        if begin > at:
+            runs.append(ids[at:begin])
+        at = end
+    return runs
+
+
+def test_recorded_tokens_are_those_sampled_across_turns(server: Any) -> None:
+    turns: list[dict[str, Any]] = []
+
+    def agent(task: Task) -> float:
+        api = chat(task)
+        messages = [{"role": "user", "content": task.prompt}]
+        for k in range(3):
+            reply = api.chat.completions.create(
+                model=task.model, messages=messages, logprobs=True, stream=False
+            )
+            choice = reply.choices[0]
+            turns.append(
+                {
+                    "prompt": choice.model_extra["prompt_token_ids"],
+                    "ids": choice.model_extra["token_ids"],
+                    "logprobs": [c.logprob for c in choice.logprobs.content],
+                }
+            )
+            messages.append(choice.message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": f"feedback {k}: xxgyy"})
+        return 0.25
+
+    env = environment(server, agent)
+    (choice,) = play(env, server)
+    assert [t["ids"] for t in turns] == model_spans(choice)  # every sampled token, as sampled
+    assert choice["prompt_token_ids"] == turns[0]["prompt"]
+    whole = choice["prompt_token_ids"] + choice["token_ids"]
+    for turn in turns:  # each turn continued from the exact tokens before it
+        assert whole[: len(turn["prompt"])] == turn["prompt"]
+        assert whole[len(turn["prompt"]) : len(turn["prompt"]) + len(turn["ids"])] == turn["ids"]
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(choice["env_spans"]) == 2
+    for begin, end in choice["env_spans"]:
+        assert logprobs[begin:end] == [0.0] * (end - begin)  # added: no loss
+    sampled = [lp for t in turns for lp in t["logprobs"]]
+    masked = {i for b, e in choice["env_spans"] for i in range(b, e)}
+    assert [lp for i, lp in enumerate(logprobs) if i not in masked] == pytest.approx(sampled)
+    # What the agent added was tokenized once, as the template writes it after a model turn.
+    template = ChatTemplate(server.tokenizer)
+    begin, end = choice["env_spans"][0]
+    added = server.tokenizer.decode(choice["token_ids"][begin:end])
+    after = template.after_turn([{"role": "user", "content": "feedback 0: xxgyy"}], None)
+    assert added.endswith(after)
+    transcript = choice["turns"]
+    assert env.score(env.train_examples()[0], transcript) == 0.25
+    assert transcript.stats["template_drift"] == 0 and transcript.stats["turns"] == 3
+
+
+def test_a_refused_turn_leaves_the_episode_as_it_was(server: Any) -> None:
+    """A request refused (here: past the context) changes nothing: the agent's retry continues
+    the conversation as if the refused one had never come."""
+    seen: dict[str, Any] = {}
+
+    def agent(task: Task) -> float:
+        api = chat(task)
+        messages = [{"role": "user", "content": task.prompt}]
+        reply = api.chat.completions.create(model=task.model, messages=messages)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        try:
+            too_long = [*messages, {"role": "user", "content": "x" * 2000}]
+            api.chat.completions.create(model=task.model, messages=too_long)
+        except openai.BadRequestError as err:
+            seen["code"] = err.code
+        messages.append({"role": "user", "content": "again"})
+        second = api.chat.completions.create(model=task.model, messages=messages)
+        seen["prompt"] = second.choices[0].model_extra["prompt_token_ids"]
+        return 0.0
+
+    (choice,) = play(environment(server, agent), server)
+    assert seen["code"] == "context_length_exceeded"
+    assert choice["turns"].stats["template_drift"] == 0 and len(choice["env_spans"]) == 1
+    whole = choice["prompt_token_ids"] + choice["token_ids"]
+    assert whole[: len(seen["prompt"])] == seen["prompt"]
+    assert "x" * 20 not in server.tokenizer.decode(whole)
+
+
+def drifting_agent(turns: list[dict[str, Any]]) -> Any:
+    """Two turns; before the second it rewrites its first answer (as a re-rendering agent
+    would)."""
+
+    def agent(task: Task) -> None:
+        api = chat(task)
+        messages = [{"role": "user", "content": task.prompt}]
+        for k in range(2):
+            reply = api.chat.completions.create(model=task.model, messages=messages)
+            choice = reply.choices[0]
+            extra = choice.model_extra
+            turns.append({"prompt": extra["prompt_token_ids"], "ids": extra["token_ids"]})
+            messages.append({"role": "assistant", "content": f"edited {k}"})
+            messages.append({"role": "user", "content": "go on"})
+        return None
+
+    return agent
+
+
+def test_drift_starts_a_new_sample(server: Any) -> None:
+    turns: list[dict[str, Any]] = []
+    env = environment(server, drifting_agent(turns))  # on_drift: new_sample (the default)
+    (choice,) = play(env, server)
+    assert choice["turns"].stats["template_drift"] == 1
+    assert choice["turns"].stats["samples"] == 2
+    (first,) = choice["segments"]
+    assert first["prompt_token_ids"] == turns[0]["prompt"]
+    assert first["token_ids"] == turns[0]["ids"]
+    # The new sample starts from the request as sent, rendered and tokenized once.
+    template = ChatTemplate(server.tokenizer)
+    sent = [
+        {"role": "user", "content": env.train_examples()[0].prompt},
+        {"role": "assistant", "content": "edited 0"},
+        {"role": "user", "content": "go on"},
+    ]
+    assert choice["prompt_token_ids"] == template.encode(template.render(sent, None, True))
+    assert choice["prompt_token_ids"] == turns[1]["prompt"]
+    assert choice["token_ids"] == turns[1]["ids"]
+    # Both samples train, with the episode's reward and advantage.
+    example = env.train_examples()[0]
+    group = score_group(env, ADVANTAGES["group_mean"], example, [choice, choice], 0.0, 12)
+    assert len(group.samples) == 4
+    assert len({(s.reward, s.advantage) for s in group.samples}) == 1
+
+
+def test_keep_sampled_continues_from_the_sampled_tokens(server: Any) -> None:
+    turns: list[dict[str, Any]] = []
+    env = environment(server, drifting_agent(turns), on_drift="keep_sampled")
+    (choice,) = play(env, server)
+    assert choice["turns"].stats["template_drift"] == 1 and choice["segments"] == []
+    assert turns[1]["prompt"][: len(turns[0]["prompt"]) + len(turns[0]["ids"])] == (
+        turns[0]["prompt"] + turns[0]["ids"]
+    )
+    assert model_spans(choice) == [t["ids"] for t in turns]
+
+
+def misbehaving(kind: str) -> Any:
+    def agent(task: Task) -> Any:
+        api = chat(task)
+        hello = [{"role": "user", "content": task.prompt}]
+        if kind == "raises_at_once":
+            raise RuntimeError("agent bug before any request")
+        api.chat.completions.create(model=task.model, messages=hello)
+        if kind == "raises":
+            raise ValueError("agent bug after a turn")
+        if kind == "hangs":
+            RELEASE.wait(600)
+            return 1.0
+        if kind == "garbage":
+            url = f"{task.base_url}/chat/completions"
+            headers = {"Authorization": f"Bearer {task.api_key}"}
+            for body in (b"{not json", b'{"messages": "hi"}', b'{"messages": [{"role": 7}]}'):
+                refused = httpx.post(url, content=body, headers=headers, timeout=30)
+                assert refused.status_code in (400, 422), refused.text
+                assert refused.json()["error"]["message"]
+            return "a lot"
+        if kind == "out_of_range":
+            return 7.5
+        return 0.5
+
+    return agent
+
+
+KINDS = ["raises_at_once", "raises", "hangs", "garbage", "out_of_range", "fine"]
+
+
+def test_failing_agents_end_only_their_episode(server: Any, caplog: Any) -> None:
+    count = iter(range(len(KINDS)))
+    lock = threading.Lock()
+
+    def dispatch(task: Task) -> Any:
+        with lock:
+            kind = KINDS[next(count)]
+        return misbehaving(kind)(task)
+
+    env = environment(server, dispatch, episode_timeout_s=15, concurrency=len(KINDS))
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        choices = play(env, server, n=len(KINDS))
+    reasons = "\n".join(r.getMessage() for r in caplog.records)
+    for said in ("raised RuntimeError: agent bug before", "raised ValueError: agent bug after",
+                 "timed out after 15 s", "returned 'a lot', not a finite number",
+                 "outside the tasks' range"):  # fmt: skip
+        assert said in reasons
+    played = [c for c in choices if c is not None]
+    assert len(played) == len(KINDS) - 1  # only the agent that never asked has no sample
+    example = env.train_examples()[0]
+    rewards = sorted(env.score(example, c["turns"]) for c in played)
+    assert rewards == [0.0, 0.0, 0.0, 0.0, 0.5]
+    failed = sorted(c["turns"].stats["agent_failed"] for c in played)
+    assert failed == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert sum(c["turns"].stats["agent_timeout"] for c in played) == 1
+    # The proxy still serves the next episode.
+    env.agent = misbehaving("fine")
+    (again,) = play(env, server)
+    assert env.score(example, again["turns"]) == 0.5
+
+
+def test_a_program_agent_gets_its_endpoint_in_the_environment(server: Any, tmp_path: Path) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, os, openai\n"
+        "task = json.loads(os.environ['RELAY_TASK'])\n"
+        "api = openai.OpenAI()\n"  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+        "api.chat.completions.create(model=os.environ['OPENAI_MODEL'],"
+        " messages=[{'role': 'user', 'content': task['prompt']}])\n"
+        "print(0.75 if task['answer'] else 0)\n"
+    )
+    env = environment(server, None, agent="''", command=f"[{sys.executable},{script}]")
+    (choice,) = play(env, server)
+    assert env.score(env.train_examples()[0], choice["turns"]) == 0.75
+    assert choice["turns"].stats["turns"] == 1
+
+
+FAULTY = ROOT / "tests" / "agents" / "faulty_wordle.py"
+
+
+def test_a_run_trains_through_an_agent_with_failing_episodes(tmp_path: Path) -> None:
+    """`rl experiment=wordle_agent`, with one episode raising, one hanging and one sending
+    garbage: the run finishes, reward is logged every step, and the reasons are in the log."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "launcher.cli", "experiment=wordle_agent", "max_steps=3",
+            "warmup.steps=20", "environment.eval_size=8", "environment.eval_every=0",
+            f"environment.args.agent={FAULTY}:play", "environment.args.episode_timeout_s=20",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "RELAY_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    # Kept groups may or may not hold a failed episode (zero-advantage groups are refilled).
+    assert all({"reward/mean", "env/turns", "env/agent_failed"} <= r.keys() for r in train)
+    log = (run_dir / "logs" / "orchestrator.log").read_text()
+    for said in ("raised RuntimeError", "timed out after 20 s", "not a finite number"):
+        assert said in log
