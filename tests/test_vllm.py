@@ -140,6 +140,37 @@ def test_official_client_against_the_vllm_front(
     check(openai_checks.client(str(server.client.base_url).rstrip("/"), TOKEN), "tiny")
 
 
+def test_an_agent_episode_through_the_proxy_keeps_vllms_tokens(server: SimpleNamespace) -> None:
+    """The agent proxy in front of the vLLM backend: two chat turns by the official client,
+    recorded as exactly the token ids vLLM sampled, the second continuing from the first's."""
+    from rl.agents import AgentEnvironment
+    from rl.orchestrator import InferenceClient
+
+    sampled: list[dict[str, Any]] = []
+
+    def agent(task: Any) -> float:
+        api = openai_checks.openai.OpenAI(base_url=task.base_url, api_key=task.api_key)
+        messages = [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            reply = api.chat.completions.create(model=task.model, messages=messages)
+            sampled.append(reply.choices[0].model_extra)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": "more"})
+        return 0.5
+
+    env = AgentEnvironment(compose_run("environment=agent").environment)
+    env.agent = agent
+    env.use_tokenizer(load_tokenizer(ensure_checkpoint(compose_run().model)))
+    client = InferenceClient(server.run_dir, ["inference-0"], TOKEN, "tiny")
+    example = env.train_examples()[0]
+    (choice,) = env.rollouts(client, [example], 1, 1.0, 128)
+    (begin, end), whole = choice["env_spans"][0], choice["prompt_token_ids"] + choice["token_ids"]
+    assert choice["token_ids"][:begin] == sampled[0]["token_ids"]
+    assert choice["token_ids"][end:] == sampled[1]["token_ids"]
+    assert whole[: len(sampled[1]["prompt_token_ids"])] == sampled[1]["prompt_token_ids"]
+    assert env.score(example, choice["turns"]) == 0.5
+
+
 def test_token_id_prompts_pass_through_unchanged(server: SimpleNamespace) -> None:
     """Multi-turn episodes send token ids: one list, or a list of them."""
     ids = [[1, 20, 21, 22], [1, 30, 31]]
