@@ -18,6 +18,15 @@ from omegaconf import DictConfig, open_dict
 
 from launcher.checks import check_ranges
 from launcher.errors import PlanError
+from launcher.feasible import (
+    DTYPE_BYTES,
+    TRAIN_BYTES_PER_PARAM,
+    check_cpu_fit,
+    check_expert_split,
+    check_packing,
+    shell_join,
+    weights_missing,
+)
 from launcher.gpus import describe as describe_gpus
 from launcher.gpus import detect as detect_gpus
 from rl.config import (
@@ -38,9 +47,6 @@ from rl.derive import (
 )
 from rl.envs import locate as locate_environment
 
-# Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
-# fp32 gradients (4 B) and two AdamW moments (8 B).
-TRAIN_BYTES_PER_PARAM = 16
 # Share of GPU memory the sharded training state may take; the rest holds activations.
 TRAIN_MEMORY_FRACTION = 0.8
 # Share of a replica's GPU memory its weights may take; the rest is KV cache.
@@ -51,7 +57,6 @@ MIN_TOKENS_PER_CP_RANK = 64
 VLLM_WORKER_EXTENSION = "rl.weights.sync.VllmWorkerExtension"
 # KV cache a vLLM CPU server reserves (the tiny models served on CPU need far less).
 CPU_KV_CACHE_BYTES = 512 * 2**20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 GIB = 2**30
 # Shared placement's estimate (shared_split): a CUDA context and allocator slack per process,
 # and activation bytes per token, layer and hidden unit without checkpointing (bf16, the
@@ -635,8 +640,14 @@ def plan(cfg: DictConfig) -> RunPlan:
             f"{cfg.algorithm.max_off_policy_steps}",
         )
     _check_model_fit(cfg)
+    check_cpu_fit(cfg)
+    check_expert_split(cfg)
+    notes: list[str] = [found] if found else []
+    if missing := weights_missing(cfg):
+        notes.append(f"{missing} (the run itself is refused until then)")
     trainer_nodes = _trainer_nodes(cfg)
     replica_nodes = _replica_nodes(cfg)
+    check_packing(cfg, replica_nodes, notes)
     mesh = _trainer_mesh(cfg, trainer_nodes)
     _check_trainer_memory(cfg, mesh)
     _check_cluster(cfg, trainer_nodes, replica_nodes)
@@ -716,7 +727,6 @@ def plan(cfg: DictConfig) -> RunPlan:
     )
 
     jobs: list[Job] = []
-    notes: list[str] = [found] if found else []
     if _shared(cfg):
         notes += [format_split(shared_split(cfg), cfg), *([turned_on] if turned_on else [])]
     if slurm:
@@ -789,7 +799,7 @@ def format_plan(p: RunPlan, cfg: DictConfig) -> str:
     lines.append(f"{'process':<20} {'job':<10} {'nodes':>5} {'gpus/node':>9}  command")
     for proc in p.processes:
         env = " ".join(f"{k}={v}" for k, v in proc.env.items())
-        cmd = " ".join(proc.argv)
+        cmd = shell_join(proc.argv)
         lines.append(
             f"{proc.name:<20} {proc.job:<10} {proc.nodes:>5} {proc.gpus_per_node:>9}  "
             f"{(env + ' ') if env else ''}{cmd}"

@@ -9,6 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import ConfigError
+from launcher.feasible import check_weights
 from launcher.plan import format_plan, plan
 from rl.config import Action, ClusterKind, RunConfig
 from rl.rundir import CONFIG, TOKEN, RunDir, write_atomic
@@ -33,6 +34,8 @@ def launch(cfg: DictConfig) -> None:
         return
     try:
         run_plan = plan(cfg)
+        if not cfg.dry_run:
+            check_weights(cfg)
     except Exception:
         _remove_if_empty(run_dir)
         raise
@@ -93,6 +96,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
             OmegaConf.update(config, key, value, merge=False)
     cfg_now = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), config))
     run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
+    check_weights(cfg_now)
     _check_ended(cfg_now, run)
     if changed:
         write_atomic(run.config, OmegaConf.to_yaml(config))

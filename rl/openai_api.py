@@ -196,6 +196,8 @@ class ChatRequest(_Request):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_Request.UNSUPPORTED, "parallel_tool_calls": True}
 
     def refused(self) -> tuple[str, Any] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", f"{self.top_logprobs} without logprobs=true"
         if self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", self.tool_choice  # no constrained decoding here
         if self.response_format not in (None, {"type": "text"}):

@@ -232,6 +232,13 @@ def test_unreadable_messages_are_refused(messages: list, param: str) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
+def test_top_logprobs_without_logprobs_is_refused() -> None:
+    client, _ = scripted_client("x")
+    response = chat(client, top_logprobs=2)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    assert chat(client, top_logprobs=2, logprobs=True).status_code == 200
+
+
 def test_text_parts_are_joined() -> None:
     client, backend = scripted_client("x")
     parts = [{"type": "text", "text": "pl"}, {"type": "text", "text": "ay"}]

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from launcher.errors import PlanError
+from launcher.feasible import check_weights
 from launcher.plan import format_plan, plan
-from rl.testing import compose_run, options
+from rl.testing import ROOT, compose_run, options
 
 DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
 MOE = ("qwen3_30b_a3b", "minimax_m2", "glm5")
 # Parallel options that fit each model on the 8 x 80 GB Slurm cluster option.
 FITS = {
-    "tiny": ("single", "fsdp", "hsdp", "tp", "dp"),  # 128-token context: no cp
-    "smollm2_135m": ("single", "fsdp", "hsdp", "tp", "dp", "cp2"),
-    "qwen3_0_6b": ("single", "fsdp", "hsdp", "tp", "dp", "cp2"),
+    # parallel=dp's eight one-GPU replicas would take eight nodes: refused on Slurm (below).
+    "tiny": ("single", "fsdp", "hsdp", "tp"),  # 128-token context: no cp
+    "smollm2_135m": ("single", "fsdp", "hsdp", "tp", "cp2"),
+    "qwen3_0_6b": ("single", "fsdp", "hsdp", "tp", "cp2"),
     "qwen3_30b_a3b": ("fsdp", "hsdp", "tp", "ep8", "cp2"),
     "minimax_m2": ("ep8",),
     "glm5": ("ep8",),
@@ -33,6 +39,8 @@ def test_slurm_matrix_plans(model: str) -> None:
     assert set(FITS) == set(options("model"))
     for par in FITS[model]:
         extra = [LONG] if par == "cp2" else []
+        if par == "hsdp":  # its two one-GPU replicas, packed into one node (see below)
+            extra = ["parallel.inference.replicas=1", "parallel.inference.dp=-1"]
         cfg = compose_run(f"model={model}", f"parallel={par}", "cluster=slurm", *extra)
         p = plan(cfg)
         mesh = p.mesh
@@ -326,3 +334,73 @@ def test_an_agent_that_cannot_run_is_refused_before_anything_starts(
     with pytest.raises(PlanError, match=said):
         plan(compose_run("experiment=wordle_agent", override))
     plan(compose_run("experiment=wordle_agent"))  # the shipped one plans
+
+
+# Plans that printed without a warning and could not run (found when tried from outside).
+
+
+@pytest.mark.parametrize("model", ["glm5", "minimax_m2", "qwen3_30b_a3b"])
+def test_models_that_need_gpus_are_refused_on_a_cluster_without(model: str) -> None:
+    with pytest.raises(PlanError, match=f"model={model}: .*(needs GPUs|GB of memory)"):
+        plan(compose_run(f"model={model}", "dry_run=true"))
+
+
+def test_fp8_experts_that_tensor_parallelism_would_cut_need_expert_parallelism() -> None:
+    with pytest.raises(PlanError, match="parallel.inference.tp=8: .*192 wide.*expert parallel"):
+        plan(compose_run("model=minimax_m2", "parallel=tp", "cluster=slurm", "dry_run=true"))
+    served = plan(compose_run("model=minimax_m2", "parallel=ep8", "cluster=slurm", "dry_run=true"))
+    assert "--enable-expert-parallel" in served.role("inference")[0].argv
+    # Not FP8: tensor parallelism may split the experts.
+    plan(compose_run("model=qwen3_30b_a3b", "parallel=tp", "cluster=slurm", "dry_run=true"))
+
+
+def test_a_model_without_local_weights_is_refused_before_a_run_starts(tmp_path: Path) -> None:
+    """The launcher refuses it with one line and leaves no run directory; the plan (and so the
+    dry run) names what is missing."""
+    run_dir = tmp_path / "run"
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "model=qwen3_0_6b", "max_steps=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and not run_dir.exists()
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: model.path: model=qwen3_0_6b") and "Qwen/Qwen3-0.6B" in line
+    dry = plan(compose_run("model=qwen3_0_6b", "dry_run=true"))
+    assert any(note.startswith("model.path:") for note in dry.notes)
+    with pytest.raises(PlanError, match="no config.json"):
+        check_weights(compose_run("model=qwen3_0_6b", f"model.path={checkpoint}"))
+    (checkpoint / "config.json").write_text("{}")
+    check_weights(compose_run("model=qwen3_0_6b", f"model.path={checkpoint}"))
+
+
+def test_dry_run_commands_paste_into_a_shell_as_planned() -> None:
+    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", "dry_run=true")
+    planned = plan(cfg)
+    printed = format_plan(planned, cfg)
+    jsons = [a for p in planned.processes for a in p.argv if a.startswith("{")]
+    assert jsons  # the KV-transfer and speculative configs
+    table = printed.split("\nprocess ", 1)[1].splitlines()
+    for proc in planned.processes:
+        line = next(x for x in table if x.startswith(f"{proc.name} "))
+        command = line[line.index(proc.argv[0]) :]  # after the environment assignments
+        assert shlex.split(command) == proc.argv
+
+
+def test_partial_node_replicas_are_packed_into_data_parallel_ones_on_slurm() -> None:
+    with pytest.raises(PlanError, match="replicas=8: .*56 GPUs idle.*replicas=1 paral"):
+        plan(compose_run("model=qwen3_0_6b", "parallel=dp", "cluster=slurm", "dry_run=true"))
+    packed = plan(
+        compose_run(
+            "model=qwen3_0_6b", "parallel=dp", "cluster=slurm", "dry_run=true",
+            "parallel.inference.replicas=1", "parallel.inference.dp=-1",
+        )
+    )  # fmt: skip
+    (replica,) = packed.role("inference")
+    argv = replica.argv
+    assert argv[argv.index("--data-parallel-size") + 1] == "8" and replica.nodes == 1
+    single = plan(compose_run("model=qwen3_0_6b", "cluster=slurm", "dry_run=true"))
+    assert "the inference node uses 1 of its 8 GPUs (7 idle)" in single.notes
+    plan(compose_run("model=qwen3_0_6b", "parallel=dp", "dry_run=true"))  # one local node: fine

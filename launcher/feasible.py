@@ -1,0 +1,123 @@
+"""Checks that a plan promises only what can run, each failing with one line that names the key
+and the fix (launcher/plan.py calls them before anything starts):
+
+- a model whose weights are not built or shipped here needs `model.path` (there is no model
+  hub): refused before a run starts; the plan (and so a dry run) says so in a note;
+- a cluster without GPUs runs only models whose training state and weights fit the node's host
+  memory, and none served in FP8 (vLLM's CPU build has no FP8 kernels);
+- on Slurm, inference replicas each get whole nodes: several replicas that need only part of
+  a node are refused for data parallelism inside fewer replicas;
+- an FP8 MoE whose experts, split by tensor parallelism, no longer cover whole FP8 blocks
+  (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
+  expert parallelism, which keeps each expert whole.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from launcher.errors import PlanError
+
+# Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
+# fp32 gradients (4 B) and two AdamW moments (8 B); and served weights' bytes by dtype.
+TRAIN_BYTES_PER_PARAM = 16
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped FP8 checkpoints
+LOCAL_SOURCES = ("random", "gguf_package")  # built here, or shipped inside a Python package
+
+
+def weights_missing(cfg: DictConfig) -> str:
+    """Why this run has no weights to load ("" when it has): a hub model without `model.path`,
+    or a `model.path` that is not a checkpoint directory."""
+    model = cfg.model
+    if model.path:
+        path = Path(model.path)
+        if not (path / "config.json").is_file():
+            return f"model.path={model.path}: no HF checkpoint there (no config.json)"
+        return ""
+    if str(model.source) in LOCAL_SOURCES:
+        return ""
+    return (
+        f"model.path: model={model.name} is not built here and there is no model hub; set "
+        f"model.path to a local copy of {model.hf_id or model.name} (an HF checkpoint directory)"
+    )
+
+
+def check_weights(cfg: DictConfig) -> None:
+    """Refuse to start a run without weights (the launcher calls it once the plan is made; a
+    dry run shows the reason as a note instead)."""
+    if reason := weights_missing(cfg):
+        raise PlanError(reason)
+
+
+def check_cpu_fit(cfg: DictConfig) -> None:
+    """On a cluster without GPUs: the model must fit the node's memory, and not be FP8."""
+    cluster, model = cfg.cluster, cfg.model
+    if cluster.gpus_per_node:
+        return
+    quantization = model.inference.quantization
+    if quantization == "fp8":
+        raise PlanError(
+            f"model={model.name}: it is served in FP8, which needs GPUs, and cluster="
+            f"{cluster.name} has none (cluster.gpus_per_node=0); use a GPU cluster "
+            f"(cluster=slurm) or a model that runs on CPU (tiny, smollm2_135m, qwen3_0_6b)"
+        )
+    weights = DTYPE_BYTES.get(str(quantization or model.dtype), 4)
+    need_gb = model.total_params_b * (TRAIN_BYTES_PER_PARAM + weights)
+    if need_gb > cluster.mem_gb_per_node:
+        raise PlanError(
+            f"model={model.name}: its training state and served weights take ~{need_gb:.0f} GB "
+            f"and cluster={cluster.name} has no GPUs and {cluster.mem_gb_per_node} GB of memory "
+            f"per node; use a GPU cluster (cluster=slurm) or a smaller model"
+        )
+
+
+def check_expert_split(cfg: DictConfig) -> None:
+    model, inf = cfg.model, cfg.parallel.inference
+    if not model.num_experts or inf.expert_parallel or model.inference.quantization != "fp8":
+        return
+    width = model.moe_intermediate_size
+    if width % inf.tp or (width // inf.tp) % FP8_BLOCK:
+        raise PlanError(
+            f"parallel.inference.tp={inf.tp}: model={model.name}'s {width}-wide FP8 experts "
+            f"split {inf.tp} ways are {width / inf.tp:g} wide, not a multiple of the "
+            f"{FP8_BLOCK}-wide FP8 blocks; serve it with expert parallelism (parallel=ep8, or "
+            f"parallel.inference.expert_parallel=true)"
+        )
+
+
+def check_packing(cfg: DictConfig, replica_nodes: int, notes: list[str]) -> None:
+    """On Slurm each inference replica gets whole nodes: replicas that need only part of a
+    node are refused (they would leave most GPUs idle) in favour of data parallelism inside
+    one replica per node; a single partial replica is noted."""
+    cluster, inf = cfg.cluster, cfg.parallel.inference
+    gpus = cluster.gpus_per_node
+    if str(cluster.kind) != "slurm" or not gpus or replica_nodes > 1 or inf.dp == -1:
+        return
+    used = inf.tp * inf.dp
+    if used >= gpus:
+        return
+    idle = inf.replicas * (gpus - used)
+    if inf.replicas == 1:
+        notes.append(f"the inference node uses {used} of its {gpus} GPUs ({idle} idle)")
+        return
+    nodes = -(-inf.replicas * used // gpus)
+    raise PlanError(
+        f"parallel.inference.replicas={inf.replicas}: each replica uses {used} of a node's "
+        f"{gpus} GPUs and gets a node of its own on Slurm, leaving {idle} GPUs idle; serve "
+        f"them as data-parallel ranks of {nodes} replica(s) instead: "
+        f"parallel.inference.replicas={nodes} parallel.inference.dp=-1"
+    )
+
+
+SAFE = re.compile(r"^[\w@%+=:,./-]+$|^\$\{\w+\}$")
+
+
+def shell_join(argv: list[str]) -> str:
+    """`argv` as a command a shell runs as planned: arguments quoted where the shell would
+    change them (JSON, spaces), `${VAR}` placeholders left for the shell to expand."""
+    return " ".join(a if SAFE.match(a) else shlex.quote(a) for a in argv)
