@@ -5,8 +5,6 @@ and the fix (launcher/plan.py calls them before anything starts):
   hub): refused before a run starts; the plan (and so a dry run) says so in a note;
 - a cluster without GPUs runs only models whose training state and weights fit the node's host
   memory, and none served in FP8 (vLLM's CPU build has no FP8 kernels);
-- on Slurm, inference replicas each get whole nodes: several replicas that need only part of
-  a node are refused for data parallelism inside fewer replicas;
 - an FP8 MoE whose experts, split by tensor parallelism, no longer cover whole FP8 blocks
   (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
   expert parallelism, which keeps each expert whole.
@@ -88,30 +86,6 @@ def check_expert_split(cfg: DictConfig) -> None:
             f"{FP8_BLOCK}-wide FP8 blocks; serve it with expert parallelism (parallel=ep8, or "
             f"parallel.inference.expert_parallel=true)"
         )
-
-
-def check_packing(cfg: DictConfig, replica_nodes: int, notes: list[str]) -> None:
-    """On Slurm each inference replica gets whole nodes: replicas that need only part of a
-    node are refused (they would leave most GPUs idle) in favour of data parallelism inside
-    one replica per node; a single partial replica is noted."""
-    cluster, inf = cfg.cluster, cfg.parallel.inference
-    gpus = cluster.gpus_per_node
-    if str(cluster.kind) != "slurm" or not gpus or replica_nodes > 1 or inf.dp == -1:
-        return
-    used = inf.tp * inf.dp
-    if used >= gpus:
-        return
-    idle = inf.replicas * (gpus - used)
-    if inf.replicas == 1:
-        notes.append(f"the inference node uses {used} of its {gpus} GPUs ({idle} idle)")
-        return
-    nodes = -(-inf.replicas * used // gpus)
-    raise PlanError(
-        f"parallel.inference.replicas={inf.replicas}: each replica uses {used} of a node's "
-        f"{gpus} GPUs and gets a node of its own on Slurm, leaving {idle} GPUs idle; serve "
-        f"them as data-parallel ranks of {nodes} replica(s) instead: "
-        f"parallel.inference.replicas={nodes} parallel.inference.dp=-1"
-    )
 
 
 SAFE = re.compile(r"^[\w@%+=:,./-]+$|^\$\{\w+\}$")

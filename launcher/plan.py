@@ -23,7 +23,6 @@ from launcher.feasible import (
     TRAIN_BYTES_PER_PARAM,
     check_cpu_fit,
     check_expert_split,
-    check_packing,
     shell_join,
     weights_missing,
 )
@@ -78,6 +77,9 @@ class Process:
     job: str = "local"
     nodes: int = 1
     gpus_per_node: int = 0
+    node: int = 0
+    """The first of its job's nodes it runs on (a replica spans `nodes` from there; the trainer
+    runs on every node of its job)."""
 
 
 @dataclass
@@ -558,13 +560,14 @@ def _check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> N
                 f"{gpus} this machine declares",
             )
     else:
-        used = trainer_nodes + inf.replicas * replica_nodes * _pd_factor(cfg)
+        inference_nodes = _inference_nodes(cfg, replica_nodes)
+        used = trainer_nodes + inference_nodes
         if used > cluster.nodes:
             _fail(
                 "cluster.nodes",
-                f"the run needs {used} GPU nodes ({trainer_nodes} trainer + "
-                f"{inf.replicas * _pd_factor(cfg)} inference replicas x {replica_nodes}) but "
-                f"cluster={cluster.name} declares {cluster.nodes}",
+                f"the run needs {used} GPU nodes ({trainer_nodes} trainer + {inference_nodes} "
+                f"for {inf.replicas * _pd_factor(cfg)} inference instances of {replica_nodes} "
+                f"node(s)) but cluster={cluster.name} declares {cluster.nodes}",
             )
 
 
@@ -573,6 +576,21 @@ def _replica_gpus(cfg: DictConfig) -> int:
     if gpus == 0:
         return 0
     return gpus if inf.dp == -1 else inf.tp * inf.dp
+
+
+def _per_node(cfg: DictConfig, replica_nodes: int) -> int:
+    """Inference instances packed onto one Slurm node: as many as its GPUs hold when each
+    needs part of a node (one GPU per instance x 8 GPUs: eight), else one."""
+    gpus = cfg.cluster.gpus_per_node
+    if cfg.cluster.kind != ClusterKind.slurm or not gpus or replica_nodes > 1:
+        return 1
+    return max(1, gpus // _replica_gpus(cfg))
+
+
+def _inference_nodes(cfg: DictConfig, replica_nodes: int) -> int:
+    """Nodes of the inference job: its instances (replicas x prefill/decode), packed."""
+    instances = cfg.parallel.inference.replicas * _pd_factor(cfg)
+    return -(-instances // _per_node(cfg, replica_nodes)) * replica_nodes
 
 
 def _pd_factor(cfg: DictConfig) -> int:
@@ -647,7 +665,6 @@ def plan(cfg: DictConfig) -> RunPlan:
         notes.append(f"{missing} (the run itself is refused until then)")
     trainer_nodes = _trainer_nodes(cfg)
     replica_nodes = _replica_nodes(cfg)
-    check_packing(cfg, replica_nodes, notes)
     mesh = _trainer_mesh(cfg, trainer_nodes)
     _check_trainer_memory(cfg, mesh)
     _check_cluster(cfg, trainer_nodes, replica_nodes)
@@ -678,25 +695,33 @@ def plan(cfg: DictConfig) -> RunPlan:
     )
     cpu_threads = {"OMP_NUM_THREADS": str(max(1, threads))}
     kv_roles = ["kv_producer", "kv_consumer"] if _disaggregated(cfg) else [None]
-    replica_gpus = gpus if slurm else _replica_gpus(cfg)
+    # A replica spanning nodes takes every GPU of each; instances needing part of a node are
+    # packed onto Slurm nodes and each bound to its own GPUs of that node.
+    replica_gpus = gpus if slurm and replica_nodes > 1 else _replica_gpus(cfg)
+    per_node = _per_node(cfg, replica_nodes)
     devices = _LocalDevices(cfg)
-    for i in range(cfg.parallel.inference.replicas):
-        for kv_role in kv_roles:
-            suffix = {None: "", "kv_producer": "-prefill", "kv_consumer": "-decode"}[kv_role]
-            argv = ["python", "-m", ROLE_MODULES["inference"], *run_args, "--replica", str(i)]
-            if backend == Backend.vllm:
-                argv += ["--", *vllm_args(cfg, replica_nodes, kv_role)]
-            processes.append(
-                Process(
-                    "inference",
-                    f"inference-{i}{suffix}",
-                    argv,
-                    env=devices.take(replica_gpus) if gpus else cpu_threads,
-                    job="inference",
-                    nodes=replica_nodes,
-                    gpus_per_node=replica_gpus,
-                )
+    instances = [(i, r) for i in range(cfg.parallel.inference.replicas) for r in kv_roles]
+    for k, (i, kv_role) in enumerate(instances):
+        suffix = {None: "", "kv_producer": "-prefill", "kv_consumer": "-decode"}[kv_role]
+        argv = ["python", "-m", ROLE_MODULES["inference"], *run_args, "--replica", str(i)]
+        if backend == Backend.vllm:
+            argv += ["--", *vllm_args(cfg, replica_nodes, kv_role)]
+        env = devices.take(replica_gpus) if gpus else cpu_threads
+        if slurm and gpus and replica_nodes == 1:
+            first = (k % per_node) * replica_gpus
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(first, first + replica_gpus)))}
+        processes.append(
+            Process(
+                "inference",
+                f"inference-{i}{suffix}",
+                argv,
+                env=env,
+                job="inference",
+                nodes=replica_nodes,
+                gpus_per_node=replica_gpus,
+                node=(k // per_node) * replica_nodes,
             )
+        )
     per_node = mesh["world"] // trainer_nodes
     torchrun = ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(per_node)]
     if trainer_nodes > 1 or slurm:
@@ -730,11 +755,13 @@ def plan(cfg: DictConfig) -> RunPlan:
     if _shared(cfg):
         notes += [format_split(shared_split(cfg), cfg), *([turned_on] if turned_on else [])]
     if slurm:
-        inference_nodes = cfg.parallel.inference.replicas * replica_nodes * len(kv_roles)
+        inference_nodes = _inference_nodes(cfg, replica_nodes)
+        # GPUs per inference node: only those its instances use (the rest stay free for others)
+        used = gpus if replica_nodes > 1 else min(len(instances), per_node) * replica_gpus
         c = cfg.cluster
         jobs = [
             _job(cfg, "control", 1, 0, min(8, c.cpus_per_node), min(32, c.mem_gb_per_node)),
-            _job(cfg, "inference", inference_nodes, gpus, c.cpus_per_node, c.mem_gb_per_node),
+            _job(cfg, "inference", inference_nodes, used, c.cpus_per_node, c.mem_gb_per_node),
             _job(
                 cfg,
                 "trainer",
@@ -796,12 +823,14 @@ def format_plan(p: RunPlan, cfg: DictConfig) -> str:
         for j in p.jobs:
             lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
     lines.append("")
-    lines.append(f"{'process':<20} {'job':<10} {'nodes':>5} {'gpus/node':>9}  command")
+    lines.append(f"{'process':<20} {'job':<10} {'node':>5} {'gpus/node':>9}  command")
     for proc in p.processes:
         env = " ".join(f"{k}={v}" for k, v in proc.env.items())
         cmd = shell_join(proc.argv)
+        first, last = proc.node, proc.node + proc.nodes - 1
+        where = str(first) if first == last else f"{first}-{last}"
         lines.append(
-            f"{proc.name:<20} {proc.job:<10} {proc.nodes:>5} {proc.gpus_per_node:>9}  "
+            f"{proc.name:<20} {proc.job:<10} {where:>5} {proc.gpus_per_node:>9}  "
             f"{(env + ' ') if env else ''}{cmd}"
         )
     for note in p.notes:

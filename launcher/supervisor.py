@@ -105,6 +105,19 @@ def nothing_left(run: RunDir, job: str) -> bool:
     return job == "trainer" and run.done("trainer").exists()
 
 
+def bind_devices(planned: str, allocated: str | None) -> str:
+    """The GPUs a process gets: the plan numbers a node's GPUs from 0; Slurm may have given
+    the job other ones (CUDA_VISIBLE_DEVICES=4,5,6,7 without device cgroups), so the plan's
+    i-th is the job's i-th."""
+    if not allocated:
+        return planned
+    ours = allocated.split(",")
+    wanted = [int(i) for i in planned.split(",")]
+    if max(wanted) >= len(ours):
+        raise ConfigError(f"the plan binds GPUs {planned} but Slurm gave this job only {allocated}")
+    return ",".join(ours[i] for i in wanted)
+
+
 class NodeSupervisor:
     """One node of one job: starts the node's roles and watches them and the other jobs."""
 
@@ -128,15 +141,14 @@ class NodeSupervisor:
 
     def processes(self) -> list[dict[str, Any]]:
         """The plan's processes this node runs: the whole trainer on every trainer node,
-        inference replicas each on their first node, the control roles on node 0."""
-        mine, offset = [], 0
-        for proc in self.plan["processes"]:
-            if proc["job"] != self.job:
-                continue
-            if self.job == "trainer" or offset == self.node:
-                mine.append(proc)
-            offset += proc["nodes"] if self.job == "inference" else 0
-        return mine
+        inference instances on the node the plan put them (several share a node when each
+        needs part of its GPUs; a replica spanning nodes starts on its first), the control
+        roles on node 0."""
+        return [
+            proc
+            for proc in self.plan["processes"]
+            if proc["job"] == self.job and (self.job == "trainer" or proc["node"] == self.node)
+        ]
 
     def environment(self) -> dict[str, str]:
         nodes = slurm_cli.hostnames(os.environ["SLURM_JOB_NODELIST"])
@@ -160,6 +172,9 @@ class NodeSupervisor:
         self.rundir.logs.mkdir(exist_ok=True)
         for proc in self.processes():
             env = {**os.environ, **proc["env"], **values}
+            if planned := proc["env"].get("CUDA_VISIBLE_DEVICES"):  # among the job's own GPUs
+                allocated = os.environ.get("CUDA_VISIBLE_DEVICES")
+                env["CUDA_VISIBLE_DEVICES"] = bind_devices(planned, allocated)
             name = proc["name"] if self.job != "trainer" else f"trainer-node{self.node}"
             argv = expand(proc["argv"], values)
             self.children.append(spawn(name, proc["role"], argv, env, self.rundir.log(name)))

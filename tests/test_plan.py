@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,10 +20,9 @@ DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
 MOE = ("qwen3_30b_a3b", "minimax_m2", "glm5")
 # Parallel options that fit each model on the 8 x 80 GB Slurm cluster option.
 FITS = {
-    # parallel=dp's eight one-GPU replicas would take eight nodes: refused on Slurm (below).
-    "tiny": ("single", "fsdp", "hsdp", "tp"),  # 128-token context: no cp
-    "smollm2_135m": ("single", "fsdp", "hsdp", "tp", "cp2"),
-    "qwen3_0_6b": ("single", "fsdp", "hsdp", "tp", "cp2"),
+    "tiny": ("single", "fsdp", "hsdp", "tp", "dp"),  # 128-token context: no cp
+    "smollm2_135m": ("single", "fsdp", "hsdp", "tp", "dp", "cp2"),
+    "qwen3_0_6b": ("single", "fsdp", "hsdp", "tp", "dp", "cp2"),
     "qwen3_30b_a3b": ("fsdp", "hsdp", "tp", "ep8", "cp2"),
     "minimax_m2": ("ep8",),
     "glm5": ("ep8",),
@@ -39,8 +39,6 @@ def test_slurm_matrix_plans(model: str) -> None:
     assert set(FITS) == set(options("model"))
     for par in FITS[model]:
         extra = [LONG] if par == "cp2" else []
-        if par == "hsdp":  # its two one-GPU replicas, packed into one node (see below)
-            extra = ["parallel.inference.replicas=1", "parallel.inference.dp=-1"]
         cfg = compose_run(f"model={model}", f"parallel={par}", "cluster=slurm", *extra)
         p = plan(cfg)
         mesh = p.mesh
@@ -389,18 +387,49 @@ def test_dry_run_commands_paste_into_a_shell_as_planned() -> None:
         assert shlex.split(command) == proc.argv
 
 
-def test_partial_node_replicas_are_packed_into_data_parallel_ones_on_slurm() -> None:
-    with pytest.raises(PlanError, match="replicas=8: .*56 GPUs idle.*replicas=1 paral"):
-        plan(compose_run("model=qwen3_0_6b", "parallel=dp", "cluster=slurm", "dry_run=true"))
-    packed = plan(
-        compose_run(
-            "model=qwen3_0_6b", "parallel=dp", "cluster=slurm", "dry_run=true",
-            "parallel.inference.replicas=1", "parallel.inference.dp=-1",
-        )
-    )  # fmt: skip
-    (replica,) = packed.role("inference")
-    argv = replica.argv
-    assert argv[argv.index("--data-parallel-size") + 1] == "8" and replica.nodes == 1
-    single = plan(compose_run("model=qwen3_0_6b", "cluster=slurm", "dry_run=true"))
-    assert "the inference node uses 1 of its 8 GPUs (7 idle)" in single.notes
-    plan(compose_run("model=qwen3_0_6b", "parallel=dp", "dry_run=true"))  # one local node: fine
+def slurm_plan(*overrides: str) -> Any:
+    return plan(compose_run("model=qwen3_0_6b", "cluster=slurm", "dry_run=true", *overrides))
+
+
+def test_replicas_needing_part_of_a_node_are_packed_and_bound_to_their_gpus() -> None:
+    """parallel=dp's eight one-GPU replicas used to take eight 8-GPU nodes (56 GPUs idle)."""
+    eight = slurm_plan("parallel=dp")
+    assert next(j for j in eight.jobs if j.name == "inference").nodes == 1
+    placed = [(p.node, p.env["CUDA_VISIBLE_DEVICES"]) for p in eight.role("inference")]
+    assert placed == [(0, str(i)) for i in range(8)]
+    pairs = slurm_plan("parallel=dp", "parallel.inference.tp=2")
+    placed = [(p.node, p.env["CUDA_VISIBLE_DEVICES"]) for p in pairs.role("inference")]
+    assert placed == [(n, f"{2 * i},{2 * i + 1}") for n in (0, 1) for i in range(4)]
+    assert next(j for j in pairs.jobs if j.name == "inference").nodes == 2
+    single = slurm_plan()  # one one-GPU replica: its job asks for that one GPU
+    job = next(j for j in single.jobs if j.name == "inference")
+    assert (job.nodes, job.gpus_per_node) == (1, 1)
+    printed = format_plan(eight, compose_run("model=qwen3_0_6b", "cluster=slurm"))
+    assert "CUDA_VISIBLE_DEVICES=7 python -m rl.inference" in printed
+
+
+def test_replicas_spanning_nodes_still_take_whole_nodes() -> None:
+    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", "dry_run=true")
+    placed = [(p.name, p.node, p.nodes, p.gpus_per_node) for p in plan(cfg).role("inference")]
+    assert placed == [("inference-0-prefill", 0, 2, 8), ("inference-0-decode", 2, 2, 8)]
+
+
+def test_each_node_supervisor_starts_the_processes_placed_on_it() -> None:
+    from launcher.supervisor import NodeSupervisor
+
+    planned = json.loads(slurm_plan("parallel=dp", "parallel.inference.tp=2").to_json())
+    for node, replicas in ((0, ["0", "1", "2", "3"]), (1, ["4", "5", "6", "7"])):
+        supervisor = NodeSupervisor.__new__(NodeSupervisor)
+        supervisor.plan, supervisor.job, supervisor.node = planned, "inference", node
+        started = [p["argv"][p["argv"].index("--replica") + 1] for p in supervisor.processes()]
+        assert started == replicas
+
+
+def test_planned_gpus_are_the_jobs_own() -> None:
+    from launcher.errors import ConfigError
+    from launcher.supervisor import bind_devices
+
+    assert bind_devices("1", None) == "1"
+    assert bind_devices("0,1", "4,5,6,7") == "4,5"  # Slurm gave the job GPUs 4-7
+    with pytest.raises(ConfigError, match="only 4,5"):
+        bind_devices("2", "4,5")
