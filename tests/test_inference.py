@@ -164,7 +164,7 @@ def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathF
 
 
 def complete(client: httpx.Client, **body: Any) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": "tiny", **body})
+    return client.post("/v1/completions", json={"model": "tiny", **body})  # or body's model
 
 
 @pytest.mark.slow

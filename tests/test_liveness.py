@@ -31,7 +31,7 @@ time.sleep(300)
 """
 # A server whose /health answers with the status code given: it beats only while that is 200.
 SERVER = """
-import json, sys
+import json, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from rl.runtime import start_heartbeat, write_address
@@ -50,7 +50,14 @@ class Health(BaseHTTPRequestHandler):
         pass
 
 server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-start_heartbeat(run, hung_s)
+beat = start_heartbeat(run, hung_s)
+# Serve (and so be probed) only once it has beaten: a role that never beat is still starting
+# to the launcher, which gives it start_s, and on a loaded machine the first probe can come
+# before the first beat.
+for _ in range(600):
+    if beat is None or beat.path.exists():
+        break
+    time.sleep(0.05)
 write_address(run, "server", "127.0.0.1", server.server_address[1])
 server.serve_forever()
 """

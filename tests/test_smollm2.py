@@ -141,8 +141,9 @@ def test_failed_conversion_leaves_nothing(
 @pytest.mark.slow
 def test_embedded_server_answers_from_it(server: Any, smol: tuple[Any, Any]) -> None:
     resp = test_inference.complete(
-        server.client, prompt=chat_ids(smol[1]), max_tokens=24, temperature=0
-    )
+        server.client, model="smollm2_135m", prompt=chat_ids(smol[1]), max_tokens=24,
+        temperature=0,
+    )  # fmt: skip
     assert resp.status_code == 200, resp.text
     (choice,) = resp.json()["choices"]
     assert choice["finish_reason"] == "stop" and "Paris" in choice["text"], choice
