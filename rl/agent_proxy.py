@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -34,9 +34,6 @@ from rl.openai_api import (
     install_errors,
     served_model,
 )
-
-if TYPE_CHECKING:
-    from rl.agents import AgentArgs
 
 
 @dataclass
@@ -158,7 +155,9 @@ class AgentProxy:
     """The agents' OpenAI endpoint: one session per episode, each model turn sent on to the
     inference servers as token ids (rl/orchestrator.py's InferenceClient)."""
 
-    def __init__(self, inference: Any, tokenizer: Any, max_len: int, args: AgentArgs) -> None:
+    def __init__(self, inference: Any, tokenizer: Any, max_len: int, args: Any) -> None:
+        """`args`: the episodes' settings (rl/agents.py's AgentArgs: max_turns, concurrency,
+        timeouts, on_drift)."""
         self.inference, self.max_len, self.args = inference, max_len, args
         self.template = ChatTemplate(tokenizer)
         self.tokenizer = tokenizer

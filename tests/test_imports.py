@@ -167,7 +167,7 @@ def test_rl_has_no_import_cycle() -> None:
 LAUNCHER_LAYERS = (
     ("launcher", "launcher.errors", "launcher.gpus", "launcher.help", "launcher.report"),
     ("launcher.tracking",),
-    ("launcher.checks", "launcher.sweep"),
+    ("launcher.checks", "launcher.feasible", "launcher.sweep"),
     ("launcher.plan",),
     ("launcher.setup", "launcher.processes", "launcher.slurm_cli"),
     ("launcher.local", "launcher.supervisor"),

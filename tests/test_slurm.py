@@ -269,7 +269,8 @@ def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
         ),
         (
             ["cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80"],
-            "cluster.gpus_per_node=8: job inference asks for 8 GPUs per node; partition cpu's "
+            # the inference job asks only for the GPU its one replica uses
+            "cluster.gpus_per_node=8: job inference asks for 1 GPUs per node; partition cpu's "
             "nodes have at most 0",
         ),
         (
