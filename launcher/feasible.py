@@ -19,6 +19,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launcher.errors import PlanError
+from rl import lora
+from rl.config import Backend
+from rl.derive import inference_backend
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
 # fp32 gradients (4 B) and two AdamW moments (8 B); and served weights' bytes by dtype.
@@ -86,6 +89,34 @@ def check_expert_split(cfg: DictConfig) -> None:
             f"{FP8_BLOCK}-wide FP8 blocks; serve it with expert parallelism (parallel=ep8, or "
             f"parallel.inference.expert_parallel=true)"
         )
+
+
+def check_lora(cfg: DictConfig) -> str:
+    """A LoRA run's targets must be known and its rank within what the servers accept; returns
+    the plan's note on what is adapted ("" without LoRA)."""
+    model, inf = cfg.model, cfg.inference
+    if not lora.enabled(model):
+        return ""
+    try:
+        targets = lora.targets(model)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    rank = model.lora.rank
+    if inf.max_lora_rank is not None and rank > inf.max_lora_rank:
+        raise PlanError(
+            f"model.lora.rank={rank}: above inference.max_lora_rank={inf.max_lora_rank}, the "
+            f"largest adapter the servers accept (vLLM's --max-lora-rank); lower the rank or "
+            f"raise inference.max_lora_rank"
+        )
+    if inference_backend(cfg) == Backend.vllm:
+        raise PlanError(
+            f"model.lora.rank={rank}: LoRA adapters are served by the embedded engine only "
+            f"so far; set inference.backend=embedded (or model.lora.rank=0 for vLLM)"
+        )
+    return (
+        f"LoRA rank {rank} (scale {lora.scale(model):g}) on {', '.join(targets)}: only the "
+        f"adapter trains and travels; version 0 is the base in full"
+    )
 
 
 SAFE = re.compile(r"^[\w@%+=:,./-]+$|^\$\{\w+\}$")

@@ -23,6 +23,7 @@ from launcher.feasible import (
     TRAIN_BYTES_PER_PARAM,
     check_cpu_fit,
     check_expert_split,
+    check_lora,
     shell_join,
     weights_missing,
 )
@@ -660,7 +661,8 @@ def plan(cfg: DictConfig) -> RunPlan:
     _check_model_fit(cfg)
     check_cpu_fit(cfg)
     check_expert_split(cfg)
-    notes: list[str] = [found] if found else []
+    adapter = check_lora(cfg)
+    notes: list[str] = [note for note in (found, adapter) if note]
     if missing := weights_missing(cfg):
         notes.append(f"{missing} (the run itself is refused until then)")
     trainer_nodes = _trainer_nodes(cfg)

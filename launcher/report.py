@@ -17,6 +17,7 @@ from rl.config import RunConfig
 from rl.records import is_eval, is_train, kind_of
 from rl.rundir import RunDir, read_jsonl, write_atomic
 
+WEIGHT_BYTES = ("weights/update_bytes", "weights/full_bytes")
 LAST_STEPS = 10
 """A run's final train reward is the mean over this many last steps (one step is noisy)."""
 
@@ -99,6 +100,9 @@ def summarize(
         summary["reward/last"] = sum(r["reward/mean"] for r in last) / len(last)
         for key in ("throughput/tokens_per_s", "throughput/samples_per_s"):
             summary[f"{key}/mean"] = sum(r[key] for r in train) / len(train)
+        for key in ("weights/update_bytes", "weights/full_bytes"):
+            if key in train[-1]:
+                summary[key] = train[-1][key]
     if evals:
         summary["eval/exact_match/first"] = evals[0]["eval/exact_match"]
         summary["eval/exact_match/last"] = evals[-1]["eval/exact_match"]
@@ -124,5 +128,13 @@ def finish_run(
             f"done in {wall_s:.0f} s: eval exact_match {evals[0]['eval/exact_match']:.3f} "
             f"(version {evals[0]['step']}) -> {evals[-1]['eval/exact_match']:.3f} "
             f"(version {evals[-1]['step']}); plot {run.reward_plot}",
+            flush=True,
+        )
+    train = [r for r in records if is_train(r)]
+    update, full = (train[-1].get(k) if train else None for k in WEIGHT_BYTES)
+    if update and full and update < full:
+        print(
+            f"weight updates moved {update / 1e6:.3f} MB each (the adapter), against "
+            f"{full / 1e6:.3f} MB of full weights: {full / update:.1f}x fewer",
             flush=True,
         )

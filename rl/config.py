@@ -118,6 +118,24 @@ class ModelInferenceConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA: train a low-rank adapter on some of the model's Linear modules instead of every
+    weight (rl/lora.py). Only the adapter and its optimiser state train, are checkpointed and
+    travel to inference; the supervised warm-up, when the run has one, still trains the whole
+    model, which becomes the base (version 0) the adapter is trained on."""
+
+    rank: int = 0
+    """Rank of each adapted module's update (B @ A); 0 trains every weight (no LoRA)."""
+    alpha: float | None = None
+    """Scale numerator: the update is (alpha / rank) * B @ A; None: twice the rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names of the Linear modules to adapt (e.g. `[q_proj, v_proj]`); empty: the model
+    family's attention projections (rl/lora.py's TARGETS). Routed experts cannot be adapted."""
+
+
+@dataclass
 class ModelConfig:
     """A model: its architecture facts (for planning) and where its weights come from."""
 
@@ -181,6 +199,8 @@ class ModelConfig:
     """Tokenizer kind: `hf` (shipped with the checkpoint) or `char` (built locally)."""
     inference: ModelInferenceConfig = field(default_factory=ModelInferenceConfig)
     """Serving settings for this model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter training (`model.lora.rank=16`); rank 0 trains the whole model."""
 
     @property
     def is_moe(self) -> bool:
@@ -380,6 +400,11 @@ class InferenceConfig:
     broadcast_backend: BroadcastBackend | None = None
     """Process-group backend of `broadcast`: `nccl` (GPUs on both ends) or `gloo`; None: nccl
     where the cluster has GPUs and the trainer sees CUDA, gloo otherwise."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank the servers accept (vLLM's `--max-lora-rank`); None: the run's
+    `model.lora.rank`. A run whose rank is above it is refused at plan time."""
+    max_loras: int = 1
+    """Adapters a server holds at once (vLLM's `--max-loras`)."""
     broadcast_timeout_s: float = 300.0
     """Seconds a broadcast waits for an inference server (to join the group, to take the
     weights, to report the new version) before the trainer fails naming it."""

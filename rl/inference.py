@@ -25,10 +25,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from rl import lora
 from rl.auth import bearer_guard
 from rl.config import Backend, RunConfig
 from rl.derive import inference_backend, max_model_len
 from rl.generation import NO_LIMITS, Limits, StepSink, generate
+from rl.lora import Adapters
 from rl.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.rundir import RunDir
@@ -42,7 +44,7 @@ from rl.runtime import (
     start_heartbeat,
     write_address,
 )
-from rl.weights.published import check_finite, published_dir, read_checkpoint
+from rl.weights.published import RefusedWeights, check_finite, published_dir, read_checkpoint
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec, WeightReceiver
 
@@ -149,6 +151,11 @@ class Engine:
         self.asleep = False
         self.generator = torch.Generator(device=model.device)
         self.generator.seed()
+        # LoRA runs: versions after 0 are adapters, applied on the base without merging.
+        self.adapters = (
+            Adapters(model, lora.targets(cfg.model)) if lora.enabled(cfg.model) else None
+        )
+        self.lora_scale = lora.scale(cfg.model) if self.adapters else 1.0
         self._pending: deque[CompletionJob | LoadJob | MemoryJob] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -251,7 +258,7 @@ class Engine:
                 job.future.set_result({"policy_version": self.version, "load_s": 0.0})
                 return
             else:
-                load_state_dict_in_place(self.model, job.path)
+                self._load_dir(job.path, job.version)
         except Exception as exc:  # reported to the caller; the old weights stay in place
             self.logger.warning("refused version %d from %s: %s", job.version, source, exc)
             job.future.set_exception(exc)
@@ -261,15 +268,33 @@ class Engine:
         self.logger.info("loaded version %d from %s in %.2f s", job.version, source, seconds)
         job.future.set_result({"policy_version": self.version, "load_s": seconds})
 
+    def _load_dir(self, path: Path, version: int) -> None:
+        """Full weights (which leave no adapter in place) or, in a LoRA run, an adapter."""
+        if not lora.is_adapter_dir(path):
+            load_state_dict_in_place(self.model, path)
+            if self.adapters:
+                self.adapters.load(None)
+            return
+        if self.adapters is None:
+            raise RefusedWeights(f"{path} is a LoRA adapter; this server serves no LoRA run")
+        tensors, scale = lora.read_adapter(path)
+        self.adapters.load(self.adapters.parse(tensors, scale, version, f"adapter {path}"))
+
     def _receive(self, receiver: WeightReceiver, version: int) -> None:
         """Take a whole update, then check and copy it (the old weights stay if it fails)."""
         state: dict[str, Any] = {}
         header = receiver.receive(state.update)
         if header["version"] != version:
             raise ValueError(f"broadcast carried version {header['version']}, not {version}")
+        source = f"broadcast of version {version}"
         for name, tensor in state.items():
-            check_finite(name, tensor, f"broadcast of version {version}")
-        load_state_in_place(self.model, state, f"broadcast of version {version}")
+            check_finite(name, tensor, source)
+        if self.adapters and any(lora.is_adapter_name(key) for key in state):
+            self.adapters.load(self.adapters.parse(state, self.lora_scale, version, source))
+            return
+        load_state_in_place(self.model, state, source)
+        if self.adapters:
+            self.adapters.load(None)
 
     def _run_batch(self, jobs: list[CompletionJob]) -> None:
         import torch
@@ -503,7 +528,10 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
     engine = Engine(model, load_tokenizer(path), cfg, logger)
     if (newest := RunDir(run_dir).newest_version()) >= 0:
-        # A restarted server: back on the newest policy before it answers anything.
+        # A restarted server: back on the newest policy before it answers anything (a LoRA
+        # run's adapter on its base, version 0).
+        if lora.is_adapter_dir(RunDir(run_dir).weights_for(newest)):
+            engine.submit(LoadJob(RunDir(run_dir).weights_for(0), 0))
         engine.submit(LoadJob(RunDir(run_dir).weights_for(newest), newest))
     app = build_app(engine, run_token(run_dir), max_model_len(cfg), run_dir)
     sock = listen_socket(server_host(), cfg.inference.port)

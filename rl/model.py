@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import string
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -286,11 +287,21 @@ def publish_weights(
     the rename its parent, which holds the new name.
     """
     _quiet_transformers()
-    tmp = target.with_name(f"{target.name}.tmp")
     if state_dict is not None:
         state_dict = {_hf_name(k): v for k, v in state_dict.items()}
-    model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+
+    publish_dir(target, write)
+
+
+def publish_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Have `write` fill a temporary directory, then make it `target` durably, COMPLETE last
+    (see publish_weights)."""
+    tmp = target.with_name(f"{target.name}.tmp")
+    write(tmp)
     for file in sorted(tmp.rglob("*")):
         fsync_path(file)
     mark_complete(tmp, sync=True)

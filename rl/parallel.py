@@ -76,7 +76,10 @@ def data_parallel_rank(mesh: DeviceMesh) -> int:
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    """The transformer blocks of an HF causal LM (`model.model.layers`)."""
+    """The transformer blocks of an HF causal LM (`model.model.layers`; under a PEFT model's
+    wrapping for LoRA)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     return list(model.model.layers)
 
 
@@ -179,19 +182,44 @@ def fill_from_rank0(
                 dist.broadcast(buffer, src=0)
 
 
-def save_checkpoint(model: Any, optimizer: Any, step: int, target: Path) -> None:
+def _checkpointed(
+    model: Any, optimizer: Any, trainable_only: bool
+) -> tuple[dict[str, Any], dict[str, Any], StateDictOptions]:
+    """The model's and optimiser's state dicts a checkpoint holds: every parameter, or (a LoRA
+    run, whose base is its published version 0) only those that train. A tied weight (the LM
+    head that is the embedding) is not a parameter of its own and would slip past DCP's
+    `ignore_frozen_params`: only names of trainable parameters are kept."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        trained = {
+            name.replace("._checkpoint_wrapped_module", "")
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+        model_state = {k: v for k, v in model_state.items() if k in trained}
+    return model_state, optim_state, options
+
+
+def save_checkpoint(
+    model: Any, optimizer: Any, step: int, target: Path, trainable_only: bool = False
+) -> None:
     """Model, optimiser and step with DCP, each rank writing its shards (a collective)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state, _ = _checkpointed(model, optimizer, trainable_only)
     dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=target)
 
 
-def load_checkpoint(model: Any, optimizer: Any, source: Path) -> int:
+def load_checkpoint(model: Any, optimizer: Any, source: Path, trainable_only: bool = False) -> int:
     """Load a DCP checkpoint into the model and optimiser as they are sharded now (any world
     size); returns its step."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state, options = _checkpointed(model, optimizer, trainable_only)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, "step": 0}
     dcp.load(state, checkpoint_id=source)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
     )
     return int(state["step"])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rl import parallel, wire
+from rl import lora, parallel, wire
 from rl.algorithms import LOSSES, loss_stats, reduce
 from rl.config import RunConfig
 from rl.context_parallel import ContextParallel
@@ -148,11 +148,28 @@ class Trainer:
             )
         # Sharded, only rank 0 reads the weights; the others build the model on the meta
         # device (shapes, no memory) and receive their shards from it after sharding.
+        # With LoRA, a resumed run's base is its version 0 (the model after warm-up).
+        weights = self.lora_base() if lora.enabled(cfg.model) else base
         if self.dims.sharded and self.rank != 0:
-            self.model = empty_model(base, dtype=cfg.model.dtype)
+            self.model = empty_model(weights, dtype=cfg.model.dtype)
         else:
-            self.model = load_model(base, dtype=cfg.model.dtype, device=self.device)
+            self.model = load_model(weights, dtype=cfg.model.dtype, device=self.device)
         self.tokenizer = load_tokenizer(base)
+        # Bytes of a weight update (for LoRA, the adapter's) and of the full weights.
+        self.update_bytes = self.full_bytes = lora.nbytes(self.model.parameters())
+        if lora.enabled(cfg.model):  # before sharding: FSDP shards the adapter with the rest
+            torch.manual_seed(cfg.seed)  # A's random start: the same in any layout
+            self.model = lora.wrap(self.model, cfg.model)
+            self.update_bytes = lora.nbytes(p for p in self.model.parameters() if p.requires_grad)
+            self.log.info(
+                "LoRA rank %d on %s: a weight update moves %.3f MB, the full weights %.3f MB "
+                "(%.1fx fewer)",
+                cfg.model.lora.rank,
+                ",".join(lora.targets(cfg.model)),
+                self.update_bytes / 1e6,
+                self.full_bytes / 1e6,
+                self.full_bytes / self.update_bytes,
+            )
         # Data-parallel rank and world: which share of each batch this rank trains on (the
         # ranks of one CP group share theirs, EP ranks have their own).
         self.dp_rank, self.dp_world = 0, self.dims.dp
@@ -178,7 +195,7 @@ class Trainer:
             parallel.local_parameter_bytes(self.model) / 1e6,
         )
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=learning_rate(cfg),
             betas=tuple(cfg.algorithm.betas),
             weight_decay=cfg.algorithm.weight_decay,
@@ -187,13 +204,26 @@ class Trainer:
         self.reference: Any = None
         self.weights = make_publisher(cfg, run_dir, self.log)
 
+    def lora_base(self) -> Path:
+        """The weights a LoRA run's adapter sits on: its published version 0 when it resumes
+        from a checkpoint (the warm-up trained them), else the model's."""
+        step_0 = self.run_dir.weights_for(0)
+        if self.run_dir.latest_checkpoint() is not None and is_complete(step_0):
+            return step_0
+        return self.base
+
     def warmup(self) -> None:
-        """Supervised warm-up: cross-entropy on the answers of training examples."""
+        """Supervised warm-up: cross-entropy on the answers of training examples. Every weight
+        trains, with LoRA too: the warm-up makes the base the adapter is then trained on."""
         cfg = self.cfg.warmup
         if cfg.steps <= 0:
             return
         examples = make_environment(self.cfg.environment).train_examples()
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        adapted = lora.enabled(self.cfg.model)
+        if adapted:  # the base trains, the adapter (B = 0, so it adds nothing) waits
+            lora.train_only(self.model, adapter=False)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=cfg.lr)
         gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         t0 = time.monotonic()
         for step in range(cfg.steps):
@@ -214,6 +244,8 @@ class Trainer:
                 if self.rank == 0:  # the launcher shows warm-up progress from these
                     done = WarmupRecord(step + 1, cfg.steps, loss.item(), time.monotonic() - t0)
                     self.run_dir.append_metrics(done.to_json())
+        if adapted:
+            lora.train_only(self.model, adapter=True)
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
     def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
@@ -308,17 +340,13 @@ class Trainer:
             if idle:  # FSDP's collectives need the same passes on every rank: add zero
                 (logp.sum() * 0.0).backward()
                 continue
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref, _ = self.logprobs(self.reference, mb)
             out = self.loss_fn(
                 logp,
                 mb["inference_logprobs"],
                 mb["advantages"],
                 algo,
                 mask=mb["mask"],
-                ref_logprobs=ref,
+                ref_logprobs=self.reference_logprobs(mb),
             )
             loss = reduce(out.per_token, mb["mask"], str(algo.normalization), totals)
             loss.backward()
@@ -366,10 +394,23 @@ class Trainer:
         target = self.run_dir.checkpoint_for(step)
         if self.on_rank_0(is_complete(target)):
             return
-        parallel.save_checkpoint(self.model, self.optimizer, step, target)
+        parallel.save_checkpoint(
+            self.model, self.optimizer, step, target, lora.enabled(self.cfg.model)
+        )
         dist.barrier()
         if self.rank == 0:
             mark_complete(target)
+
+    def reference_logprobs(self, mb: dict[str, Any]) -> torch.Tensor | None:
+        """The KL reference's token logprobs of a micro-batch, where the loss has a KL term:
+        with LoRA the model with its adapter switched off, else the frozen copy."""
+        if self.cfg.algorithm.kl_coef <= 0:
+            return None
+        with torch.no_grad():
+            if lora.enabled(self.cfg.model):
+                with self.model.disable_adapter():
+                    return self.logprobs(self.model, mb)[0]
+            return self.logprobs(self.reference, mb)[0]
 
     def make_reference(self, state: dict[str, Any] | None = None) -> Any:
         """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
@@ -388,9 +429,15 @@ class Trainer:
         path = self.run_dir.latest_checkpoint()
         if path is None:
             return 0
-        step = parallel.load_checkpoint(self.model, self.optimizer, path)
+        step = parallel.load_checkpoint(
+            self.model, self.optimizer, path, lora.enabled(self.cfg.model)
+        )
         reference = self.run_dir.reference
-        if self.cfg.algorithm.kl_coef > 0 and reference.exists():
+        if (
+            self.cfg.algorithm.kl_coef > 0
+            and reference.exists()
+            and not lora.enabled(self.cfg.model)
+        ):
             self.reference = self.make_reference(torch.load(reference))
         if self.rank == 0:
             # Steps after the checkpoint are trained again from the same batches: their first
@@ -407,8 +454,9 @@ class Trainer:
         if step:
             return step
         self.warmup()
-        if self.cfg.algorithm.kl_coef > 0:
-            # The KL reference is the policy RL starts from: the weights after warm-up.
+        if self.cfg.algorithm.kl_coef > 0 and not lora.enabled(self.cfg.model):
+            # The KL reference is the policy RL starts from: the weights after warm-up (with
+            # LoRA: the same model with its adapter off, no copy).
             self.reference = self.make_reference()
             if self.rank == 0:
                 self.run_dir.checkpoints.mkdir(exist_ok=True)
@@ -525,6 +573,8 @@ class Trainer:
             "throughput/tokens_per_s": tokens / elapsed,
             "throughput/samples_per_s": len(samples) / elapsed,
             "lr": self.optimizer.param_groups[0]["lr"],
+            "weights/update_bytes": self.update_bytes,  # what one version moves to inference
+            "weights/full_bytes": self.full_bytes,
             **memory_metrics(self.device),
             "timestamp": time.time(),
             **env_metrics(samples),

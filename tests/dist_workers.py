@@ -132,6 +132,13 @@ def steps(
     trainer = _trainer(rank, world, init_file, run_dir)
     if first > 1:
         assert trainer.resume() == first - 1
+    _train(trainer, rank, first, last, lambda step, state: torch.save(state, f"{out}_{step}.pt"))
+    dist.destroy_process_group()
+
+
+def _train(trainer: Trainer, rank: int, first: int, last: int, save: Callable) -> None:
+    """Steps first..last on fixed batches, checkpointing and publishing after step 2; rank 0
+    hands `save` each step's whole state."""
     for step in range(first, last + 1):
         batch = _mine(synthetic_samples(8, seed=step), trainer)
         trainer.train_step(batch, [list(range(len(batch)))])
@@ -140,8 +147,7 @@ def steps(
             trainer.publish(step)
         state = parallel.full_state_dict(trainer.model)
         if rank == 0:
-            torch.save(state, f"{out}_{step}.pt")
-    dist.destroy_process_group()
+            save(step, state)
 
 
 def in_sequence(
@@ -153,3 +159,27 @@ def in_sequence(
     this pays once per world size instead of once per layout."""
     for body, init_file, run_dir, args in jobs:
         body(rank, world, init_file, run_dir, *args)
+
+
+def lora_steps(
+    rank: int, world: int, init_file: str, run_dir: str, out: str, first: int, last: int
+) -> None:
+    """A LoRA run's steps first..last on fixed batches. From step 1: the warm-up (which trains
+    the base) and version 0 published first; later: resumed from the newest checkpoint.
+    Checkpoints and publishes after step 2; rank 0 saves, after each step, the whole state
+    (base and adapter) and the names of the parameters the optimiser steps as
+    `<out>_<step>.pt`."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    if first == 1:
+        trainer.warmup()
+        trainer.publish(0)
+    else:
+        assert trainer.resume() == first - 1
+    stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    names = [name for name, p in trainer.model.named_parameters() if id(p) in stepped]
+
+    def save(step: int, state: dict) -> None:
+        torch.save({"state": state, "stepped": names}, f"{out}_{step}.pt")
+
+    _train(trainer, rank, first, last, save)
+    dist.destroy_process_group()

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from rl import lora
 from rl.config import RunConfig
 from rl.derive import broadcast_backend, inference_backend
 from rl.model import inference_state
@@ -52,6 +53,9 @@ class InferenceBroadcaster:
     def publish(self, version: int, model: Any, state: dict[str, Any] | None = None) -> None:
         """Send `model`'s weights (or its gathered `state`) as `version`, in the layout the
         servers load."""
+        if lora.is_wrapped(model):  # the base for version 0, then only the adapter
+            self.update(version, lora.published_tensors(version, model, state))
+            return
         self.update(version, inference_state(model, state, self.checkpoint_layout))
 
     def update(self, version: int, tensors: dict[str, Any]) -> None:

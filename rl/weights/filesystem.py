@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rl import lora
 from rl.model import publish_weights
 from rl.rundir import BROADCAST, RunDir, is_complete
 from rl.weights.base import VersionWaiter, WeightPublisher
@@ -35,7 +36,10 @@ class FilesystemPublisher(WeightPublisher):
         if not self.wanted(version):
             return
         self.run_dir.weights.mkdir(parents=True, exist_ok=True)
-        publish_weights(model, tokenizer, self.run_dir.weights_for(version), state_dict=state)
+        if lora.is_wrapped(model):
+            lora.publish(version, model, tokenizer, state, self.run_dir)
+        else:
+            publish_weights(model, tokenizer, self.run_dir.weights_for(version), state_dict=state)
         self.run_dir.prune_versions(self.keep)
 
 

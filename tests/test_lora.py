@@ -1,0 +1,272 @@
+"""LoRA (`model.lora.rank > 0`): the trainer steps only the adapter (after a warm-up that trains
+the base), under FSDP2 as in one process; checkpoints hold the adapter and its optimiser and
+resume into the same steps; version 0 is published as the full base and later versions as PEFT
+adapter directories; the embedded engine serves them (from disk, by broadcast, after a restart)
+exactly as the PEFT model computes; the plan refuses what cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from launcher.errors import PlanError
+from launcher.plan import plan
+from rl import lora
+from rl.generation import generate
+from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
+from rl.rundir import RunDir
+from rl.runtime import auth_headers, wait_for_address
+from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.weights.broadcast import InferenceBroadcaster
+from tests import dist_workers
+from tests.test_parallel import RTOL, assert_same_gradients, cache, prepare  # noqa: F401
+
+LORA = ("model.lora.rank=8", "warmup.steps=2", "warmup.batch_size=8")
+TARGETS = 4 * 2  # the tiny model's attention projections, two blocks
+
+
+@pytest.fixture(scope="module")
+def runs(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
+    """One process and two FSDP2 ranks, each: warm-up, version 0, steps 1-3 (checkpoint and
+    version 2 after step 2) saved as `<run>/straight_<step>.pt`; then two ranks resume the
+    FSDP2 run's checkpoint into step 3 again (`<run>/again_3.pt`)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    single, init_1 = prepare(tmp, "single", *LORA, "parallel=single")
+    fsdp, init_2 = prepare(tmp, "fsdp2", *LORA, "parallel=fsdp")
+    for world, run_dir, init in ((1, single, init_1), (2, fsdp, init_2)):
+        one = (dist_workers.one_step, f"{init}_one", str(run_dir), (f"{run_dir}/one_step.pt",))
+        job = (dist_workers.lora_steps, str(init), str(run_dir), (f"{run_dir}/straight", 1, 3))
+        mp.spawn(dist_workers.in_sequence, args=(world, [one, job]), nprocs=world, join=True)
+    again = (dist_workers.lora_steps, f"{init_2}_again", str(fsdp), (f"{fsdp}/again", 3, 3))
+    mp.spawn(dist_workers.in_sequence, args=(2, [again]), nprocs=2, join=True)
+    return {"single": single, "fsdp2": fsdp}
+
+
+def saved(run_dir: Path, phase: str, step: int) -> dict[str, Any]:
+    return torch.load(run_dir / f"{phase}_{step}.pt")
+
+
+def test_only_the_adapter_trains_after_a_warm_up_of_the_base(runs: dict[str, Path]) -> None:
+    run_dir = runs["single"]
+    built = load_model(ensure_checkpoint(compose_run().model)).state_dict()
+    first, last = saved(run_dir, "straight", 1), saved(run_dir, "straight", 3)
+    assert len(first["stepped"]) == 2 * TARGETS  # A and B of each adapted module
+    assert all(lora.is_adapter_name(name) for name in first["stepped"])
+    base_1, base_3 = lora.base_tensors(first["state"]), lora.base_tensors(last["state"])
+    assert base_1.keys() == built.keys()
+    assert any(not torch.equal(base_1[k], built[k]) for k in built)  # the warm-up trained it
+    assert all(torch.equal(base_1[k], base_3[k]) for k in built)  # RL steps did not
+    adapter_1, adapter_3 = lora.adapter_tensors(first["state"]), lora.adapter_tensors(last["state"])
+    assert len(adapter_1) == 2 * TARGETS
+    assert all(t.abs().sum() > 0 for k, t in adapter_1.items())  # B moved off zero at step 1
+    assert all(not torch.equal(adapter_1[k], adapter_3[k]) for k in adapter_1)
+
+
+def test_fsdp2_trains_the_adapter_of_one_process(runs: dict[str, Path]) -> None:
+    """Two FSDP2 ranks compute one process's loss and adapter gradients (to float32 rounding
+    of the other summation order), and only the adapter's."""
+    want = torch.load(runs["single"] / "one_step.pt")
+    got = torch.load(runs["fsdp2"] / "one_step.pt")
+    assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+    assert len(want["grads"]) == 2 * TARGETS
+    assert all(lora.is_adapter_name(name) for name in want["grads"])
+    assert_same_gradients(got["grads"], want["grads"])
+    # Warm-up (the base trains) and steps (the adapter trains) under FSDP2 land on one
+    # process's weights. Adam moves every weight by about lr at its first steps however small
+    # the gradient, so rounding-small gradients summed in another order move a weight
+    # differently by a part of one step: a tenth of lr is the tolerance (a weight that did
+    # not train, or trained wrongly, is off by whole steps).
+    cfg = compose_run(*LORA)
+    for step in (1, 2, 3):
+        want = saved(runs["single"], "straight", step)["state"]
+        got = saved(runs["fsdp2"], "straight", step)["state"]
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            lr = cfg.algorithm.lr if lora.is_adapter_name(name) else cfg.warmup.lr
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=0.1 * lr, msg=name)
+
+
+def test_the_checkpoint_holds_the_adapter_and_resumes_into_the_same_step(
+    runs: dict[str, Path],
+) -> None:
+    run_dir = runs["fsdp2"]
+    metadata = FileSystemReader(run_dir / "checkpoints" / "step_2").read_metadata()
+    model_keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+    assert len(model_keys) == 2 * TARGETS
+    assert all(lora.is_adapter_name(k) for k in model_keys)
+    assert any(
+        k.startswith("optim.state.") and ".lora_B." in k for k in metadata.state_dict_metadata
+    )
+    # Resumed on its version-0 base (the warm-up's), the same ranks repeat step 3 bit for bit.
+    want, got = saved(run_dir, "straight", 3)["state"], saved(run_dir, "again", 3)["state"]
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_versions_are_the_base_in_full_then_peft_adapters(runs: dict[str, Path]) -> None:
+    from peft import PeftModel
+
+    run_dir = runs["single"]
+    layout = RunDir(run_dir)
+    state_1, state_2 = (saved(run_dir, "straight", s)["state"] for s in (1, 2))
+    step_0 = load_model(layout.weights_for(0)).state_dict()
+    base = lora.base_tensors(state_1)
+    assert step_0.keys() == base.keys() and all(torch.equal(step_0[k], base[k]) for k in base)
+    step_2 = layout.weights_for(2)
+    assert sorted(p.name for p in step_2.iterdir()) == [
+        "COMPLETE", lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS,
+    ]  # fmt: skip
+    tensors = load_file(step_2 / lora.ADAPTER_WEIGHTS)
+    want = lora.adapter_tensors(state_2)
+    assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], want[k]) for k in want)
+    # PEFT reads it onto version 0 and computes what the trainer's model computed.
+    peft = PeftModel.from_pretrained(load_model(layout.weights_for(0)), step_2).eval()
+    trainer = lora.wrap(load_model(layout.weights_for(0)), compose_run(*LORA).model)
+    trainer.load_state_dict({k: v for k, v in state_2.items()}, strict=True)
+    ids = torch.tensor([[1, 10, 11, 12, 13]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft(ids).logits, trainer.eval()(ids).logits)
+
+
+# The embedded engine serving a LoRA run.
+
+SERVED = ("model.lora.rank=8", "inference.backend=embedded")
+PROMPTS = ["hello world", "ab", "the quick brown fox"]
+
+
+def adapted(cfg: Any, seed: int) -> Any:
+    """The tiny model with a rank-8 adapter whose B is random (from `seed`), not zero."""
+    model = lora.wrap(load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)), cfg.model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def greedy_ids(model: Any, tokenizer: Any) -> list[list[int]]:
+    """What the model itself decodes greedily for PROMPTS (the engine's reference)."""
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    gens = [torch.Generator()] * len(prompts)
+    with torch.no_grad():
+        samples = generate(model, tokenizer, prompts, [12] * 3, [0.0] * 3, gens)
+    return [s.token_ids for s in samples]
+
+
+@pytest.fixture(scope="module")
+def served(
+    cache: Path,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SimpleNamespace]:
+    """An embedded server started on a LoRA run that has published version 0 (the base) and
+    version 1 (an adapter): it must come up serving version 1."""
+    cfg = compose_run(*SERVED)
+    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    first, second = adapted(cfg, seed=1), adapted(cfg, seed=2)
+    layout = RunDir(run_dir)
+    layout.weights.mkdir(parents=True)
+    for version in (0, 1):
+        lora.publish(version, first, tokenizer, None, layout)
+    proc = start_role("inference", run_dir, "--replica", "0")
+    try:
+        try:
+            url = wait_for_address(run_dir, "inference-0", timeout=120)
+        except TimeoutError:
+            pytest.fail((run_dir / "inference.log").read_text()[-3000:])
+        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+            yield SimpleNamespace(
+                cfg=cfg, run_dir=run_dir, client=client, tokenizer=tokenizer,
+                first=first, second=second,
+            )  # fmt: skip
+    finally:
+        stop_role(proc)
+
+
+def served_greedy(server: SimpleNamespace) -> tuple[int, list[list[int]]]:
+    body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
+    response = server.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    return answer["policy_version"], [c["token_ids"] for c in answer["choices"]]
+
+
+def load(server: SimpleNamespace, version: int) -> httpx.Response:
+    path = RunDir(server.run_dir).weights_for(version)
+    return server.client.post("/admin/load_weights", json={"version": version, "path": str(path)})
+
+
+@pytest.mark.slow
+def test_the_engine_serves_adapters_from_disk_as_peft_computes(served: SimpleNamespace) -> None:
+    tokenizer = served.tokenizer
+    with served.first.disable_adapter():
+        base = greedy_ids(served.first, tokenizer)
+    first, second = greedy_ids(served.first, tokenizer), greedy_ids(served.second, tokenizer)
+    assert first != base != second != first  # the adapters change what is decoded
+    # Started on a run with versions 0 and 1 published: the adapter on its base.
+    assert served_greedy(served) == (1, first)
+    lora.publish(2, served.second, tokenizer, None, RunDir(served.run_dir))
+    assert load(served, 2).json()["policy_version"] == 2
+    assert served_greedy(served) == (2, second)
+
+
+@pytest.mark.slow
+def test_the_engine_takes_an_adapter_by_broadcast_and_only_its_tensors_travel(
+    served: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    sender = InferenceBroadcaster(served.run_dir, served.cfg, logging.getLogger("test.lora"))
+    with caplog.at_level(logging.INFO, logger="test.lora"):
+        sender.publish(3, served.first)
+    assert served_greedy(served) == (3, greedy_ids(served.first, served.tokenizer))
+    sent = float(re.search(r"broadcast version 3 over gloo: ([\d.]+) MB", caplog.text)[1])
+    adapter = lora.nbytes(lora.adapter_tensors(served.first.state_dict()).values()) / 1e6
+    full = lora.nbytes(served.first.get_base_model().parameters()) / 1e6
+    assert sent == pytest.approx(adapter, abs=0.05) and sent < full / 10
+
+
+@pytest.mark.slow
+def test_an_adapter_that_does_not_fit_is_refused_and_nothing_changes(
+    served: SimpleNamespace,
+) -> None:
+    before = served_greedy(served)
+    layout = RunDir(served.run_dir)
+    lora.publish(9, served.second, served.tokenizer, None, layout)
+    weights = layout.weights_for(9) / lora.ADAPTER_WEIGHTS
+    tensors = load_file(weights)
+    name = next(k for k in tensors if ".lora_A." in k)
+    tensors[name] = torch.zeros(8, 100)  # the module takes 128 inputs
+    save_file(tensors, weights)
+    response = load(served, 9)
+    assert response.status_code == 400
+    assert "do not fit its 128 -> " in response.json()["detail"]
+    assert served_greedy(served) == before
+
+
+def test_the_plan_refuses_what_lora_cannot_run() -> None:
+    with pytest.raises(PlanError, match="no default LoRA targets for model_type foo"):
+        plan(compose_run("model.lora.rank=8", "model.model_type=foo"))
+    with pytest.raises(PlanError, match="LoRA on routed experts is not built"):
+        plan(compose_run("model=tiny_qwen3_moe", "model.lora.rank=8",
+                         "model.lora.target_modules=[experts]"))  # fmt: skip
+    with pytest.raises(PlanError, match=r"model.lora.rank=32: above inference.max_lora_rank=16"):
+        plan(compose_run("model.lora.rank=32", "inference.max_lora_rank=16"))
+    note = next(n for n in plan(compose_run(*SERVED)).notes if n.startswith("LoRA"))
+    assert note.startswith("LoRA rank 8 (scale 2) on q_proj, k_proj, v_proj, o_proj")
+    # Explicit targets for a family without defaults make it plannable.
+    custom = plan(
+        compose_run(*SERVED, "model.model_type=foo", "model.lora.target_modules=[q_proj]")
+    )
+    assert any("on q_proj:" in n for n in custom.notes)
