@@ -7,6 +7,7 @@ exactly as the PEFT model computes; the plan refuses what cannot run.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -25,13 +26,16 @@ from launcher.errors import PlanError
 from launcher.plan import plan
 from rl import lora
 from rl.generation import generate
+from rl.inference import CompletionJob, Engine, LoadJob
 from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
+from rl.records import is_train
 from rl.rundir import RunDir
 from rl.runtime import auth_headers, wait_for_address
 from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
 from rl.weights.broadcast import InferenceBroadcaster
 from tests import dist_workers
 from tests.test_parallel import RTOL, assert_same_gradients, cache, prepare  # noqa: F401
+from tests.test_run import run_to_end
 
 LORA = ("model.lora.rank=8", "warmup.steps=2", "warmup.batch_size=8")
 TARGETS = 4 * 2  # the tiny model's attention projections, two blocks
@@ -160,7 +164,7 @@ def adapted(cfg: Any, seed: int) -> Any:
 def greedy_ids(model: Any, tokenizer: Any) -> list[list[int]]:
     """What the model itself decodes greedily for PROMPTS (the engine's reference)."""
     prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
-    gens = [torch.Generator()] * len(prompts)
+    gens = [torch.Generator(next(model.parameters()).device)] * len(prompts)
     with torch.no_grad():
         samples = generate(model, tokenizer, prompts, [12] * 3, [0.0] * 3, gens)
     return [s.token_ids for s in samples]
@@ -270,3 +274,63 @@ def test_the_plan_refuses_what_lora_cannot_run() -> None:
         compose_run(*SERVED, "model.model_type=foo", "model.lora.target_modules=[q_proj]")
     )
     assert any("on q_proj:" in n for n in custom.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["filesystem", "broadcast"])
+def test_a_lora_run_moves_only_adapters_to_inference(
+    tmp_path: Path,
+    cache: Path,  # noqa: F811
+    transport: str,
+) -> None:
+    """A whole run (trainer, queue, orchestrator, embedded inference): every version after 0
+    is an adapter, reaches inference, and moves over ten times fewer bytes than the weights."""
+    run_dir = tmp_path / "run"
+    overrides = (
+        "model.lora.rank=16",
+        "max_steps=4",
+        "warmup.steps=10",
+        "trainer.checkpoint_every=2",
+    )
+    records = run_to_end(run_dir, cache, *overrides, f"inference.weight_transport={transport}",
+                         WANDB_MODE="disabled")  # fmt: skip
+    train = [r for r in records if is_train(r)]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    update, full = train[-1]["weights/update_bytes"], train[-1]["weights/full_bytes"]
+    assert update * 10 < full
+    layout = RunDir(run_dir)
+    published = layout.published_versions()
+    assert published[0] == 0 and not lora.is_adapter_dir(layout.weights_for(0))
+    assert published[1:] and all(lora.is_adapter_dir(layout.weights_for(v)) for v in published[1:])
+    inference = (run_dir / "logs" / "inference-0.log").read_text()
+    # Every version by broadcast; from disk, the orchestrator loads the newest, skipping any
+    # that a faster trainer already replaced.
+    loaded = [int(v) for v in re.findall(r"loaded version (\d+) from ", inference)]
+    assert loaded == [0, 1, 2, 3, 4] if transport == "broadcast" else loaded[-1] == 4, inference
+    assert loaded[0] == 0 and len(loaded) >= 3
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["weights/update_bytes"] == update and summary["weights/full_bytes"] == full
+
+
+@pytest.mark.gpu
+def test_the_engine_applies_adapters_on_the_gpu(tmp_path: Path, cache: Path) -> None:  # noqa: F811
+    """The engine on CUDA, version 0 then an adapter from disk: what PEFT's model decodes."""
+    cfg = compose_run(*SERVED, "cluster.gpus_per_node=1")
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    model = adapted(cfg, seed=1)
+    layout = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
+    layout.weights.mkdir(parents=True)
+    for version in (0, 1):
+        lora.publish(version, model, tokenizer, None, layout)
+    served = load_model(ensure_checkpoint(cfg.model, seed=cfg.seed), device="cuda").eval()
+    engine = Engine(served, tokenizer, cfg, logging.getLogger("test.lora"))
+    engine.start()
+    try:
+        for version in (0, 1):
+            engine.submit(LoadJob(layout.weights_for(version), version)).result(timeout=60)
+        prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+        version, samples = engine.submit(CompletionJob(prompts, 1, 12, 0.0, None)).result(60)
+    finally:
+        engine.stop()
+    assert version == 1
+    assert [s.token_ids for s in samples] == greedy_ids(model.to("cuda"), tokenizer)

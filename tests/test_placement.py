@@ -151,13 +151,27 @@ def test_colocated_placement_trains_on_one_gpu(tmp_path: Path) -> None:
     assert "Traceback" not in log
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_lora_trains_on_one_gpu(tmp_path: Path) -> None:
+    """A LoRA run on the GPU (shared placement): adapters published and served."""
+    summary = run_on_the_gpu(tmp_path, "cluster.gpus_per_node=1", "model.lora.rank=16")
+    assert summary["status"] == "finished" and summary["steps"] == 20
+    assert summary["weights/update_bytes"] * 10 < summary["weights/full_bytes"]
+    adapter = tmp_path / "run" / "weights" / "step_20" / "adapter_model.safetensors"
+    assert adapter.is_file()
+    log = (tmp_path / "run" / "logs" / "inference-0.log").read_text()
+    assert "loaded version 20 from " in log
+
+
 @pytest.mark.slow
 def test_gpu_check_skips_without_a_gpu_and_runs_its_steps_with_one(
     tmp_path: Path, fake_nvidia_smi
 ) -> None:
     """.ci/gpu-check as far as a CPU machine takes it: without nvidia-smi it skips; with one
     that answers (a fake, reporting one RTX 4090) it saves the query, runs the gpu tests (which
-    skip here, torch seeing no CUDA device) and both short runs, and prints their samples/s."""
+    skip here, torch seeing no CUDA device) and its three short runs, and prints their
+    samples/s."""
     script = ROOT / ".ci" / "gpu-check"
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     bare = subprocess.run([script, tmp_path / "bare"], env=env, capture_output=True, text=True)
@@ -170,6 +184,6 @@ def test_gpu_check_skips_without_a_gpu_and_runs_its_steps_with_one(
     saved = (tmp_path / "out" / "nvidia-smi.csv").read_text()
     assert saved == (FIXTURES / "nvidia-smi-rtx4090.csv").read_text()
     assert "== gpu tests" in log and "skipped" in log
-    rates = [x for x in log.splitlines() if x.split()[:1] in (["gpu"], ["cpu"])]
-    assert len(rates) == 2 and all(" samples/s " in x for x in rates), log[-3000:]
+    rates = [x for x in log.splitlines() if x.split()[:1] in (["gpu"], ["cpu"], ["lora-gpu"])]
+    assert len(rates) == 3 and all(" samples/s " in x for x in rates), log[-3000:]
     assert log.rstrip().splitlines()[-1].startswith("gpu-check: passed")
