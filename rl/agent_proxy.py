@@ -225,6 +225,9 @@ class AgentProxy:
 
         return app
 
+    def served(self) -> list[str]:
+        return [self.model_name]
+
     def _session(self, sid: str) -> tuple[Session, dict[str, Any]]:
         if sid not in self.sessions:
             raise APIError(404, f"no open episode {sid!r} (ended, timed out, or never opened)")

@@ -109,13 +109,17 @@ def generate(
     generators: Sequence[torch.Generator | None] | None = None,
     limits: Limits | Sequence[Limits] = NO_LIMITS,
     on_step: StepSink | None = None,
+    adapters: Sequence[str] | None = None,
+    route: Callable[[list[str]], None] | None = None,
 ) -> list[Sample]:
     """Decode every prompt in one left-padded batch with a KV cache; per-row limits and RNGs.
 
     `max_tokens`, `temperature`, `generators` and `limits` are one value for all rows or one per
     row; rows sharing a generator object draw from it together, None uses torch's default
     generator. A row with stop strings ends at the token whose text completes one. `on_step`
-    sees every step's tokens as they are drawn.
+    sees every step's tokens as they are drawn. `adapters` names each row's LoRA adapter ("":
+    none), and `route(names)` tells the model the names of the rows of each forward pass (rows
+    with the same prompt but different adapters do not share a prompt pass).
     """
     import torch
     from transformers import DynamicCache
@@ -136,9 +140,13 @@ def generate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else max(eos_id, 0)
     # Rows with the same prompt (a group's n samples) share one prompt pass: the cache, mask
     # and positions are then gathered per row.
-    distinct: dict[tuple[int, ...], int] = {}
-    source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts_ids])
-    ids, mask = _left_pad([list(p) for p in distinct], pad_id, device)
+    names = list(adapters) if adapters is not None else [""] * rows
+    distinct: dict[tuple[str, tuple[int, ...]], int] = {}
+    pairs = zip(names, prompts_ids, strict=True)
+    source = torch.tensor([distinct.setdefault((a, tuple(p)), len(distinct)) for a, p in pairs])
+    ids, mask = _left_pad([list(p) for _, p in distinct], pad_id, device)
+    if route is not None:
+        route([a for a, _ in distinct])
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache, steps_ids, steps_logp, steps_top = DynamicCache(config=model.config), [], [], []
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
@@ -161,6 +169,8 @@ def generate(
                 source = source.to(device)
                 cache.reorder_cache(source)
                 logits, mask, positions = logits[source], mask[source], positions[source]
+            if not steps_ids and route is not None:
+                route(names)
             tokens, logp, dist = _sample(logits, temps, groups, top_p)
             tokens = torch.where(done, pad_id, tokens)
             steps_ids.append(tokens)

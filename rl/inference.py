@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from rl import lora
 from rl.auth import bearer_guard
@@ -91,6 +91,8 @@ class CompletionJob:
     seed: int | None
     limits: Limits = NO_LIMITS
     sink: Callable[[Deltas], None] | None = None
+    adapter: str = ""
+    """The LoRA adapter's name ("": the run's own policy)."""
     future: Future = field(default_factory=Future)
 
     @property
@@ -106,6 +108,8 @@ class LoadJob:
     path: Path | None
     version: int
     receiver: WeightReceiver | None = None
+    adapter: str = ""
+    """In a LoRA run, the name to serve an adapter under ("": the run's own policy)."""
     future: Future = field(default_factory=Future)
 
 
@@ -245,40 +249,57 @@ class Engine:
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         job.future.set_result({"asleep": self.asleep, "device_bytes": held})
 
+    def held(self, name: str = "") -> int:
+        """The version served under `name` ("": the run's own policy)."""
+        if name and name != self.model_name:
+            adapter = self.adapters.loaded.get(name) if self.adapters else None
+            return adapter.version if adapter else -1
+        return self.version
+
     def _load(self, job: LoadJob) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
         start = time.perf_counter()
         source = job.path or "the trainer's broadcast"
+        name = job.adapter or self.model_name
+        held = self.held(name)
         try:
             if job.receiver is not None:
                 self._receive(job.receiver, job.version)
-            elif job.version < self.version:  # decided here, where loads run one at a time
-                self.logger.info("kept version %d: asked for older %d", self.version, job.version)
-                job.future.set_result({"policy_version": self.version, "load_s": 0.0})
+            elif job.version < held:  # decided here, where loads run one at a time
+                self.logger.info("kept version %d: asked for older %d", held, job.version)
+                job.future.set_result({"policy_version": held, "load_s": 0.0})
                 return
             else:
-                self._load_dir(job.path, job.version)
+                self._load_dir(job.path, job.version, name)
         except Exception as exc:  # reported to the caller; the old weights stay in place
             self.logger.warning("refused version %d from %s: %s", job.version, source, exc)
             job.future.set_exception(exc)
             return
-        self.version = job.version
+        if name == self.model_name:
+            self.version = job.version
         seconds = time.perf_counter() - start
-        self.logger.info("loaded version %d from %s in %.2f s", job.version, source, seconds)
-        job.future.set_result({"policy_version": self.version, "load_s": seconds})
+        named = "" if name == self.model_name else f" as {name}"
+        self.logger.info(
+            "loaded version %d from %s%s in %.2f s", job.version, source, named, seconds
+        )
+        job.future.set_result({"policy_version": job.version, "load_s": seconds})
 
-    def _load_dir(self, path: Path, version: int) -> None:
-        """Full weights (which leave no adapter in place) or, in a LoRA run, an adapter."""
+    def _load_dir(self, path: Path, version: int, name: str) -> None:
+        """Full weights (the base: no adapter under `name` after it) or, in a LoRA run, an
+        adapter served as `name`."""
         if not lora.is_adapter_dir(path):
+            if name != self.model_name:
+                raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
             load_state_dict_in_place(self.model, path)
             if self.adapters:
-                self.adapters.load(None)
+                self.adapters.put(name, None)
             return
         if self.adapters is None:
             raise RefusedWeights(f"{path} is a LoRA adapter; this server serves no LoRA run")
         tensors, scale = lora.read_adapter(path)
-        self.adapters.load(self.adapters.parse(tensors, scale, version, f"adapter {path}"))
+        adapter = self.adapters.parse(tensors, scale, version, f"adapter {path}")
+        self.adapters.put(name, adapter)
 
     def _receive(self, receiver: WeightReceiver, version: int) -> None:
         """Take a whole update, then check and copy it (the old weights stay if it fails)."""
@@ -290,16 +311,17 @@ class Engine:
         for name, tensor in state.items():
             check_finite(name, tensor, source)
         if self.adapters and any(lora.is_adapter_name(key) for key in state):
-            self.adapters.load(self.adapters.parse(state, self.lora_scale, version, source))
+            adapter = self.adapters.parse(state, self.lora_scale, version, source)
+            self.adapters.put(self.model_name, adapter)
             return
         load_state_in_place(self.model, state, source)
         if self.adapters:
-            self.adapters.load(None)
+            self.adapters.put(self.model_name, None)
 
     def _run_batch(self, jobs: list[CompletionJob]) -> None:
         import torch
 
-        prompts, caps, temps, gens, limits = [], [], [], [], []
+        prompts, caps, temps, gens, limits, names = [], [], [], [], [], []
         for job in jobs:
             gen = self.generator
             if job.seed is not None:
@@ -310,15 +332,19 @@ class Engine:
                 temps += [job.temperature] * job.n
                 gens += [gen] * job.n
                 limits += [job.limits] * job.n
+                names += [job.adapter or self.model_name] * job.n
         start = time.perf_counter()
         on_step = _stream_to(jobs) if any(job.sink for job in jobs) else None
-        samples = generate(self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step)
+        route = self.adapters.route if self.adapters else None
+        samples = generate(
+            self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step, names, route
+        )
         tokens = sum(len(s.token_ids) for s in samples)
         seconds = time.perf_counter() - start
         self.logger.debug("batch of %d rows: %d tokens in %.2f s", len(prompts), tokens, seconds)
         offset = 0
         for job in jobs:
-            job.future.set_result((self.version, samples[offset : offset + job.rows]))
+            job.future.set_result((self.held(job.adapter), samples[offset : offset + job.rows]))
             offset += job.rows
 
 
@@ -348,10 +374,14 @@ class EngineBackend:
         self.model_name, self.tokenizer = engine.model_name, engine.tokenizer
         self.max_rows, self.vocab_size = engine.max_batch_size, engine.vocab_size
 
+    def served(self) -> list[str]:
+        adapters = self.engine.adapters.loaded if self.engine.adapters else {}
+        return [self.model_name, *sorted(n for n in adapters if n != self.model_name)]
+
     def _job(self, prompts: list[list[int]], params: Params, sink: Any = None) -> CompletionJob:
         return CompletionJob(
             prompts, params.n, params.max_tokens, params.temperature, params.seed,
-            params.limits, sink,
+            params.limits, sink, params.model,
         )  # fmt: skip
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
@@ -413,6 +443,9 @@ class LoadWeightsRequest(BaseModel):
 
     version: int
     path: str | None = None
+    adapter: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    """In a LoRA run, the name to serve this version's adapter under (None: the run's own
+    policy); requests then ask for it as their `model`."""
 
 
 # Generous for any servable request: a token costs at most a few bytes as a JSON id, and text
@@ -491,7 +524,8 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
     async def load_weights(body: LoadWeightsRequest) -> dict:
         try:
             path = await asyncio.to_thread(published_dir, run_dir, body.version, body.path)
-            return await asyncio.wrap_future(engine.submit(LoadJob(path, body.version)))
+            job = LoadJob(path, body.version, adapter=body.adapter or "")
+            return await asyncio.wrap_future(engine.submit(job))
         except ValueError as exc:  # RefusedWeights, or weights that do not fit the model
             raise HTTPException(400, str(exc)) from exc
 

@@ -192,7 +192,8 @@ class Adapter:
 
 class Adapters:
     """LoRA applied by the embedded engine without merging: a forward hook on each target
-    Linear of the served model adds `scale * B @ (A @ x)` of the active adapter. Loading checks
+    Linear adds `scale * B @ (A @ x)` of each row's adapter. Several adapters are held by name
+    and served side by side, rows of one batch taking different ones (`route`). Parsing checks
     every tensor against the module it adapts before anything changes."""
 
     def __init__(self, model: Any, target_names: list[str]) -> None:
@@ -206,20 +207,44 @@ class Adapters:
         }
         if not self.modules:
             raise ValueError(f"model.lora: the served model has no Linear named {target_names}")
-        self.active: Adapter | None = None
+        self.device = next(model.parameters()).device
+        self.loaded: dict[str, Adapter] = {}
+        # The forward pass under way: one adapter for every row, or (adapter, row indices).
+        self.whole: Adapter | None = None
+        self.groups: list[tuple[Adapter, Any]] = []
         for name, module in self.modules.items():
             module.register_forward_hook(self._hook(name))
 
     def _hook(self, name: str) -> Any:
         def add(module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
-            adapter = self.active
-            if adapter is None or name not in adapter.weights:
+            x = inputs[0]
+            if self.whole is not None:
+                return output + _delta(self.whole, name, x, output)
+            if not self.groups:
                 return output
-            a, b = adapter.weights[name]
-            x = inputs[0].to(a.dtype)
-            return output + (x @ a.T @ b.T * adapter.scale).to(output.dtype)
+            output = output.clone()
+            for adapter, rows in self.groups:
+                output[rows] += _delta(adapter, name, x[rows], output[rows])
+            return output
 
         return add
+
+    def route(self, names: list[str]) -> None:
+        """The adapter of each row of the next forward passes, by name ("" or an unknown name:
+        the base alone)."""
+        import torch
+
+        rows: dict[str, list[int]] = {}
+        for row, name in enumerate(names):
+            if name in self.loaded:
+                rows.setdefault(name, []).append(row)
+        self.whole, self.groups = None, []
+        if len(rows) == 1 and len(next(iter(rows.values()))) == len(names):
+            self.whole = self.loaded[next(iter(rows))]
+            return
+        for name, indices in rows.items():
+            index = torch.tensor(indices, device=self.device)
+            self.groups.append((self.loaded[name], index))
 
     def parse(self, tensors: dict[str, Any], scale_: float, version: int, source: str) -> Adapter:
         """An `Adapter` from PEFT-named tensors, or ValueError naming what does not fit."""
@@ -245,9 +270,20 @@ class Adapters:
             weights[module] = (a.to(device), b.to(device))
         return Adapter(weights, scale_, version)
 
-    def load(self, adapter: Adapter | None) -> None:
-        """Serve `adapter` from the next forward on (None: the base alone)."""
-        self.active = adapter
+    def put(self, name: str, adapter: Adapter | None) -> None:
+        """Serve `adapter` under `name` from the next batch on (None: `name` serves the base)."""
+        if adapter is None:
+            self.loaded.pop(name, None)
+        else:
+            self.loaded[name] = adapter
+
+
+def _delta(adapter: Adapter, module: str, x: Any, like: Any) -> Any:
+    """One adapter's addition to a module's output for inputs `x` (0 where it adapts not)."""
+    if module not in adapter.weights:
+        return 0
+    a, b = adapter.weights[module]
+    return (x.to(a.dtype) @ a.T @ b.T * adapter.scale).to(like.dtype)
 
 
 def read_adapter(path: Path) -> tuple[dict[str, Any], float]:

@@ -53,6 +53,9 @@ class Params:
     temperature: float
     seed: int | None
     limits: Limits
+    model: str = ""
+    """The served name asked for ("": the server's model); a LoRA server's adapters each have
+    one."""
 
 
 @dataclass
@@ -76,6 +79,10 @@ class Backend(Protocol):
     max_rows: int | None
     """Most prompts x n per request (None: no limit of its own)."""
     vocab_size: int
+
+    def served(self) -> list[str]:
+        """The names requests may ask for: the model's, then any adapter's."""
+        ...
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result: ...
 
@@ -206,10 +213,11 @@ class ChatRequest(_Request):
 
 
 def served_model(body: _Request, backend: Backend) -> None:
-    if body.model not in (None, "", backend.model_name):
+    if body.model not in (None, "", *(names := backend.served())):
         raise APIError(
             400,
-            f"model {body.model!r} is not served here; this server serves {backend.model_name!r}",
+            f"model {body.model!r} is not served here; this server serves "
+            f"{', '.join(repr(n) for n in names)}",
             "model",
             "model_not_found",
         )
@@ -319,12 +327,12 @@ def chat_logprobs(tokenizer: Any, sample: Sample) -> dict[str, Any]:
     return {"content": content}
 
 
-def _head(kind: str, backend: Backend, version: int) -> dict[str, Any]:
+def _head(kind: str, model: str, version: int) -> dict[str, Any]:
     return {
         "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
-        "model": backend.model_name,
+        "model": model,
         "policy_version": version,
     }
 
@@ -342,10 +350,12 @@ class Endpoint:
         self.backend, self.body = backend, body
         self.tokenizer = backend.tokenizer
         self.stop = body.stops()
+        self.model = body.model or backend.model_name
 
     def params(self, max_tokens: int, top_logprobs: int) -> Params:
         limits = Limits(self.body.top_p, self.stop, top_logprobs)
-        return Params(self.body.n, max_tokens, self.body.temperature, self.body.seed, limits)
+        body = self.body
+        return Params(body.n, max_tokens, body.temperature, body.seed, limits, body.model or "")
 
     def choice(self, index: int, prompt: list[int], sample: Sample) -> dict[str, Any]:
         raise NotImplementedError
@@ -353,14 +363,14 @@ class Endpoint:
     def response(self, ids: list[list[int]], result: Result) -> dict[str, Any]:
         n = self.body.n
         choices = [self.choice(k, ids[k // n], s) for k, s in enumerate(result.samples)]
-        head = _head(self.kind, self.backend, result.version)
+        head = _head(self.kind, self.model, result.version)
         head["policy_version_max"] = result.version_max
         return {**head, "choices": choices, "usage": usage(ids, result.samples)}
 
     async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:
         """The streamed response as server-sent events, ending with `data: [DONE]`."""
         streams = [TextStream(self.tokenizer, self.stop, self.held_back) for _ in ids * params.n]
-        head = _head(self.chunk_kind, self.backend, -1)
+        head = _head(self.chunk_kind, self.model, -1)
         async for item in self.backend.stream(ids, params):
             if isinstance(item, Result):
                 head["policy_version"] = item.version
@@ -493,7 +503,7 @@ class ChatCompletions(Endpoint):
         }
 
     async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:
-        head = _head(self.chunk_kind, self.backend, -1)
+        head = _head(self.chunk_kind, self.model, -1)
         for k in range(len(ids) * params.n):
             delta = {"role": "assistant", "content": ""}
             yield _sse({**head, "choices": [{"index": k, "delta": delta, "finish_reason": None}]})
@@ -560,9 +570,12 @@ def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> N
 
     @app.get("/v1/models", dependencies=guard)
     async def models() -> dict[str, Any]:
-        entry = {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "relay"}
-        entry["max_model_len"] = backend.max_len
-        return {"object": "list", "data": [entry]}
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "relay",
+             "max_model_len": backend.max_len}
+            for name in backend.served()
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
 
     async def answer(endpoint: Endpoint, ids: list[list[int]], max_tokens: int, top: int) -> Any:
         body = endpoint.body

@@ -320,6 +320,9 @@ class VllmBackend:
         self.model_name, self.tokenizer = front.model_name, front.tokenizer
         self.max_rows = None  # vLLM schedules any number itself
 
+    def served(self) -> list[str]:
+        return [self.model_name]
+
     def body(self, prompts: list[list[int]], params: Params) -> dict[str, Any]:
         limits = params.limits
         return {

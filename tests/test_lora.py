@@ -200,8 +200,8 @@ def served(
         stop_role(proc)
 
 
-def served_greedy(server: SimpleNamespace) -> tuple[int, list[list[int]]]:
-    body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
+def served_greedy(server: SimpleNamespace, model: str = "tiny") -> tuple[int, list[list[int]]]:
+    body = {"model": model, "prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
     response = server.client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -334,3 +334,61 @@ def test_the_engine_applies_adapters_on_the_gpu(tmp_path: Path, cache: Path) -> 
         engine.stop()
     assert version == 1
     assert [s.token_ids for s in samples] == greedy_ids(model.to("cuda"), tokenizer)
+
+
+@pytest.mark.slow
+def test_two_adapters_are_served_side_by_side_under_their_names(served: SimpleNamespace) -> None:
+    """A second adapter loaded under a name of its own: requests asking for that name get it,
+    with its version, while the run's own policy keeps being served as the model's name."""
+    layout, tokenizer = RunDir(served.run_dir), served.tokenizer
+    lora.publish(20, served.first, tokenizer, None, layout)
+    lora.publish(30, served.second, tokenizer, None, layout)
+    assert load(served, 20).json()["policy_version"] == 20
+    body = {"version": 30, "path": str(layout.weights_for(30)), "adapter": "other"}
+    assert served.client.post("/admin/load_weights", json=body).json()["policy_version"] == 30
+    names = [m["id"] for m in served.client.get("/v1/models").json()["data"]]
+    assert names == ["tiny", "other"]
+    first, second = greedy_ids(served.first, tokenizer), greedy_ids(served.second, tokenizer)
+    assert served_greedy(served) == (20, first)
+    assert served_greedy(served, "other") == (30, second)
+    unknown = {"model": "nobody", "prompt": "ab", "max_tokens": 2}
+    response = served.client.post("/v1/completions", json=unknown)
+    assert response.status_code == 400 and "'tiny', 'other'" in response.json()["detail"]
+    bad = {**body, "adapter": "../x"}
+    refused = served.client.post("/admin/load_weights", json=bad)
+    assert refused.status_code == 400 and "adapter" in refused.text
+
+
+def test_one_batch_mixes_adapters_row_by_row(tmp_path: Path, cache: Path) -> None:  # noqa: F811
+    """Jobs for two adapters and the base queued together are decoded as one batch, each row
+    with its own adapter, rows with the same prompt too: each job gets what its model decodes."""
+    cfg = compose_run(*SERVED)
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    models = {"tiny": adapted(cfg, seed=1), "other": adapted(cfg, seed=2)}
+    layout = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
+    layout.weights.mkdir(parents=True)
+    lora.publish(0, models["tiny"], tokenizer, None, layout)
+    served = load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)).eval()
+    engine = Engine(served, tokenizer, cfg, logging.getLogger("test.lora"))
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    for version, name in ((1, "tiny"), (2, "other")):
+        lora.publish(version, models[name], tokenizer, None, layout)
+        engine.submit(LoadJob(layout.weights_for(version), version, adapter=name))
+    jobs = [CompletionJob(prompts, 1, 12, 0.0, None, adapter=n) for n in ("other", "tiny", "")]
+    futures = [engine.submit(job) for job in jobs]
+    batches: list[int] = []
+    real = lora.Adapters.route
+    lora.Adapters.route = lambda self, names: (batches.append(len(names)), real(self, names))[1]
+    try:
+        engine.start()
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        engine.stop()
+        lora.Adapters.route = real
+    assert batches == [6, 9]  # one batch: 6 distinct (adapter, prompt) passes, then 9 rows
+    want = {name: greedy_ids(model, tokenizer) for name, model in models.items()}
+    assert [s.token_ids for s in results[0][1]] == want["other"]
+    assert (
+        [s.token_ids for s in results[1][1]] == want["tiny"] == [s.token_ids for s in results[2][1]]
+    )
+    assert [version for version, _ in results] == [2, 1, 1]

@@ -115,6 +115,9 @@ class Scripted:
         self.reply = reply
         self.prompts: list[list[int]] = []
 
+    def served(self) -> list[str]:
+        return [self.model_name]
+
     def _samples(self, prompts: list[list[int]], params: Params) -> Result:
         from rl.generation import Sample
 
