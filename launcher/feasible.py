@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from launcher.errors import PlanError
 from rl import lora
-from rl.config import Backend
+from rl.config import Backend, WeightTransport
 from rl.derive import inference_backend
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
@@ -108,15 +108,31 @@ def check_lora(cfg: DictConfig) -> str:
             f"largest adapter the servers accept (vLLM's --max-lora-rank); lower the rank or "
             f"raise inference.max_lora_rank"
         )
-    if inference_backend(cfg) == Backend.vllm:
+    vllm = inference_backend(cfg) == Backend.vllm
+    if vllm and max(rank, inf.max_lora_rank or 0) > VLLM_LORA_RANKS[-1]:
         raise PlanError(
-            f"model.lora.rank={rank}: LoRA adapters are served by the embedded engine only "
-            f"so far; set inference.backend=embedded (or model.lora.rank=0 for vLLM)"
+            f"model.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}"
+        )
+    if vllm and inf.weight_transport == WeightTransport.broadcast:
+        raise PlanError(
+            "inference.weight_transport=broadcast: vLLM loads LoRA adapters from their "
+            "directories (each a few MB); use inference.weight_transport=filesystem"
         )
     return (
         f"LoRA rank {rank} (scale {lora.scale(model):g}) on {', '.join(targets)}: only the "
         f"adapter trains and travels; version 0 is the base in full"
     )
+
+
+# The ranks vLLM's --max-lora-rank accepts (vLLM's MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(cfg: DictConfig) -> int:
+    """vLLM's --max-lora-rank for the run: the smallest it accepts that holds
+    `inference.max_lora_rank` (or the run's rank)."""
+    wanted = cfg.inference.max_lora_rank or cfg.model.lora.rank
+    return next(r for r in VLLM_LORA_RANKS if r >= wanted)
 
 
 SAFE = re.compile(r"^[\w@%+=:,./-]+$|^\$\{\w+\}$")

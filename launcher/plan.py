@@ -25,10 +25,12 @@ from launcher.feasible import (
     check_expert_split,
     check_lora,
     shell_join,
+    vllm_lora_rank,
     weights_missing,
 )
 from launcher.gpus import describe as describe_gpus
 from launcher.gpus import detect as detect_gpus
+from rl import lora
 from rl.config import (
     ROLE_MODULES,
     Backend,
@@ -496,6 +498,9 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     if cfg.inference.weight_transport == WeightTransport.broadcast:
         args += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
+    if lora.enabled(model):  # adapters loaded at runtime, each request naming its own
+        args += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(cfg))]
+        args += ["--max-loras", str(cfg.inference.max_loras)]
     return args
 
 

@@ -443,7 +443,7 @@ class LoadWeightsRequest(BaseModel):
 
     version: int
     path: str | None = None
-    adapter: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    adapter: str | None = Field(default=None, pattern=f"^{lora.ADAPTER_NAME.pattern}$")
     """In a LoRA run, the name to serve this version's adapter under (None: the run's own
     policy); requests then ask for it as their `model`."""
 

@@ -15,6 +15,7 @@ the base weights stay as version 0 left them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 
 from rl.config import ModelConfig
 
+# A name an adapter is served under (a request's `model`).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT's saved names: <module path>.lora_A.weight under this prefix.

@@ -37,21 +37,25 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 import rl
+from rl import lora
 from rl.auth import bearer_guard
 from rl.config import RunConfig
 from rl.derive import max_model_len
 from rl.generation import Sample
+from rl.lora import ADAPTER_NAME
 from rl.model import ensure_checkpoint, load_tokenizer
 from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.rundir import RunDir
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
-from rl.weights.published import check_checkpoint, published_dir
+from rl.weights.published import RefusedWeights, check_checkpoint, published_dir
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec
 
 HOST = "127.0.0.1"
 MAX_RESTARTS = 3
 START_TIMEOUT_S = 600.0
+# vLLM serves a LoRA run's own policy adapter as <model name> + this (the base keeps the name).
+POLICY_ADAPTER = "-policy"
 
 
 class VllmProcess:
@@ -80,7 +84,9 @@ class VllmProcess:
         # Relay's source on the path: vLLM's workers import rl.weights.sync from their own env.
         source = str(Path(rl.__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
+        # Runtime LoRA loading (/v1/load_lora_adapter) is off unless asked for.
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path,
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # fmt: skip
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
         argv += ["--host", HOST, "--port", str(self.port)]
         with open(self.log_path, "ab") as log:
@@ -153,18 +159,35 @@ class VllmFrontend:
         )
         self.version = -1
         self.weights: tuple[Path, int] | None = None  # last loaded from disk, and its version
+        # LoRA adapters vLLM serves, by the name requests ask for (the run's own policy under
+        # the model's name): their directory and version, to load again after a restart.
+        self.adapters: dict[str, tuple[Path, int]] = {}
         self.weight_group: str | None = None  # the broadcast group vLLM's workers are in
         self.receivers: int | None = None
         self.ready = asyncio.Event()
         self.swap = asyncio.Lock()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def held(self, name: str = "") -> int:
+        """The version served under `name` ("": the run's own policy)."""
+        if name and name != self.model_name:
+            return self.adapters[name][1] if name in self.adapters else -1
+        return self.version
+
+    def vllm_model(self, name: str = "") -> str:
+        """What vLLM serves `name` as: the base model, or the LoRA adapter loaded for it (the
+        run's policy has one named apart from the base)."""
+        name = name or self.model_name
+        if name != self.model_name:
+            return name
+        return f"{name}{POLICY_ADAPTER}" if name in self.adapters else name
+
+    async def complete(self, body: dict[str, Any], name: str = "") -> dict[str, Any]:
         """vLLM's completions answer to `body` (token-id prompts), with the policy versions that
         served it; a vLLM that dies under the request is waited for and asked again."""
         for attempt in range(MAX_RESTARTS + 1):
             await self.ready.wait()
-            before = self.version
+            before = self.held(name)
             try:
                 response = await self.http.post(f"{self.vllm.url}/v1/completions", json=body)
                 break
@@ -175,13 +198,15 @@ class VllmFrontend:
         if response.status_code != 200:
             raise APIError(response.status_code, f"vLLM: {response.text[:1000]}")
         result = response.json()
-        result["policy_version"], result["policy_version_max"] = before, self.version
+        result["policy_version"], result["policy_version_max"] = before, self.held(name)
         return result
 
-    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def complete_stream(
+        self, body: dict[str, Any], name: str = ""
+    ) -> AsyncIterator[dict[str, Any]]:
         """vLLM's streamed completions chunks for `body`, then one `{"policy_version": ...}`."""
         await self.ready.wait()
-        before = self.version
+        before = self.held(name)
         async with self.http.stream(
             "POST", f"{self.vllm.url}/v1/completions", json={**body, "stream": True}
         ) as response:
@@ -190,18 +215,45 @@ class VllmFrontend:
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     yield json.loads(line[len("data: ") :])
-        yield {"policy_version": before, "policy_version_max": self.version}
+        yield {"policy_version": before, "policy_version_max": self.held(name)}
 
-    async def load_weights(self, path: Path, version: int) -> dict[str, Any]:
+    async def load_weights(self, path: Path, version: int, name: str = "") -> dict[str, Any]:
         """Load published `path` as `version` once it is checked (every tensor readable and
         finite): vLLM reloads in place, so a refusal must come before it starts. An older
-        version than the served one changes nothing (versions only grow)."""
+        version than the served one changes nothing (versions only grow). A LoRA adapter is
+        loaded into vLLM at runtime under `name` ("": the run's policy), replacing the one
+        there; full weights replace the base (and the policy serves the base until its next
+        adapter)."""
+        name = name or self.model_name
         async with self.swap:
-            if version < self.version:
-                return {"policy_version": self.version, "load_s": 0.0}
+            if version < self.held(name):
+                return {"policy_version": self.held(name), "load_s": 0.0}
             await asyncio.to_thread(check_checkpoint, path)
             await self.ready.wait()
-            return await self._swap_weights(path, version)
+            if lora.is_adapter_dir(path):
+                return await self._load_adapter(path, version, name)
+            if name != self.model_name:
+                raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
+            result = await self._swap_weights(path, version)
+            self.adapters.pop(name, None)
+            return result
+
+    async def _load_adapter(self, path: Path, version: int, name: str) -> dict[str, Any]:
+        """vLLM's runtime LoRA loading, in place of the adapter under the same name (requests
+        in flight finish on the one they started with)."""
+        t0 = time.monotonic()
+        lora_name = name + POLICY_ADAPTER if name == self.model_name else name
+        body = {"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
+        response = await self.http.post(f"{self.vllm.url}/v1/load_lora_adapter", json=body)
+        if response.status_code != 200:
+            raise RefusedWeights(f"vLLM refused the adapter {path}: {response.text[:500]}")
+        self.adapters[name] = (path, version)
+        if name == self.model_name:
+            self.version = version
+        seconds = time.monotonic() - t0
+        named = "" if name == self.model_name else f" as {name}"
+        self.logger.info("loaded version %d from %s%s in %.3f s", version, path, named, seconds)
+        return {"policy_version": version, "load_s": seconds}
 
     async def _swap_weights(self, path: Path, version: int) -> dict[str, Any]:
         """Pause (keeping in-flight requests), reload, drop stale prefix cache, resume."""
@@ -304,9 +356,12 @@ class VllmFrontend:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.weight_group, self.version = None, -1  # a new vLLM: base weights, no group
-            if self.weights is not None:  # back to the weights it loaded before serving again
+            if self.weights is not None or self.adapters:  # back to what it held before
                 async with self.swap:
-                    await self._swap_weights(*self.weights)
+                    if self.weights is not None:
+                        await self._swap_weights(*self.weights)
+                    for served, (path, version) in list(self.adapters.items()):
+                        await self._load_adapter(path, version, served)
             self.ready.set()
 
 
@@ -321,12 +376,13 @@ class VllmBackend:
         self.max_rows = None  # vLLM schedules any number itself
 
     def served(self) -> list[str]:
-        return [self.model_name]
+        named = sorted(n for n in self.front.adapters if n != self.model_name)
+        return [self.model_name, *named]
 
     def body(self, prompts: list[list[int]], params: Params) -> dict[str, Any]:
         limits = params.limits
         return {
-            "model": self.model_name,
+            "model": self.front.vllm_model(params.model),
             "prompt": prompts,
             "n": params.n,
             "max_tokens": params.max_tokens,
@@ -340,7 +396,7 @@ class VllmBackend:
         }
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
-        result = await self.front.complete(self.body(prompts, params))
+        result = await self.front.complete(self.body(prompts, params), params.model)
         top = params.limits.top_logprobs
         samples = [_sample(c, top) for c in sorted(result["choices"], key=lambda c: c["index"])]
         return Result(result["policy_version"], result["policy_version_max"], samples)
@@ -353,7 +409,8 @@ class VllmBackend:
             {"token_ids": [], "logprobs": {"token_logprobs": [], "top_logprobs": []}}
             for _ in range(rows)
         ]
-        async for chunk in self.front.complete_stream(self.body(prompts, params)):
+        body = self.body(prompts, params)
+        async for chunk in self.front.complete_stream(body, params.model):
             if "policy_version" in chunk and "choices" not in chunk:
                 samples = [_sample(p, params.limits.top_logprobs) for p in parts]
                 yield Result(chunk["policy_version"], chunk["policy_version_max"], samples)
@@ -422,7 +479,10 @@ def build_app(
             path = await asyncio.to_thread(
                 published_dir, run_dir, body.get("version"), body.get("path")
             )
-            return await front.load_weights(path, body["version"])
+            adapter = body.get("adapter") or ""
+            if adapter and not (isinstance(adapter, str) and ADAPTER_NAME.fullmatch(adapter)):
+                raise RefusedWeights(f"adapter={adapter!r}: a name of 1-64 letters, digits, ._-")
+            return await front.load_weights(path, body["version"], adapter)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
 

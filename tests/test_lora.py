@@ -267,6 +267,17 @@ def test_the_plan_refuses_what_lora_cannot_run() -> None:
                          "model.lora.target_modules=[experts]"))  # fmt: skip
     with pytest.raises(PlanError, match=r"model.lora.rank=32: above inference.max_lora_rank=16"):
         plan(compose_run("model.lora.rank=32", "inference.max_lora_rank=16"))
+    with pytest.raises(PlanError, match="vLLM loads LoRA adapters from their directories"):
+        plan(compose_run("model.lora.rank=8", "inference.backend=vllm",
+                         "inference.weight_transport=broadcast"))  # fmt: skip
+    with pytest.raises(PlanError, match="vLLM serves adapters up to rank 512"):
+        plan(compose_run("model.lora.rank=1024", "inference.backend=vllm"))
+    # vLLM gets LoRA on, at the smallest rank it accepts that holds the run's.
+    served = plan(compose_run("model.lora.rank=12", "inference.backend=vllm",
+                              "inference.max_loras=3"))  # fmt: skip
+    (server,) = served.role("inference")
+    args = " ".join(server.argv)
+    assert "--enable-lora --max-lora-rank 16 --max-loras 3" in args
     note = next(n for n in plan(compose_run(*SERVED)).notes if n.startswith("LoRA"))
     assert note.startswith("LoRA rank 8 (scale 2) on q_proj, k_proj, v_proj, o_proj")
     # Explicit targets for a family without defaults make it plannable.
