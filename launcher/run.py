@@ -27,8 +27,9 @@ def launch(cfg: DictConfig) -> None:
     if cfg.action != Action.run:
         from launcher import slurm
 
+        actions = {Action.status: slurm.status, Action.cancel: slurm.cancel, Action.export: export}
         try:
-            (slurm.status if cfg.action == Action.status else slurm.cancel)(cfg, run_dir)
+            actions[cfg.action](cfg, run_dir)
         finally:
             _remove_if_empty(run_dir)
         return
@@ -165,3 +166,13 @@ def _remove_if_empty(run_dir: Path) -> None:
             path.rmdir()
         except OSError:
             return
+
+
+def export(cfg: DictConfig, here: Path) -> None:
+    """Print where the run's newest published version is as full HF weights (a LoRA run's
+    adapter merged into its base first)."""
+    from launcher.slurm import find_run
+    from rl.lora import export as export_weights
+
+    run = find_run(cfg, here)
+    print(f"full weights: {export_weights(run)}")

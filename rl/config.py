@@ -66,6 +66,7 @@ class Action(StrEnum):
     run = "run"
     status = "status"
     cancel = "cancel"
+    export = "export"
 
 
 class TrainerDevice(StrEnum):
@@ -527,9 +528,11 @@ class RunConfig:
     """Print the plan and exit without starting or submitting anything."""
     action: Action = Action.run
     """`run` starts (locally) or submits (Slurm) the run; `status` shows the jobs and latest
-    step of a run; `cancel` cancels a Slurm run's jobs and records why."""
+    step of a run; `cancel` cancels a Slurm run's jobs and records why; `export` writes the
+    run's newest published version as full HF weights (a LoRA adapter merged into its base)."""
     run_dir: str | None = None
-    """For action=status/cancel: the run directory; None: the newest run named `name`."""
+    """For action=status/cancel/export: the run directory; None: the newest run named
+    `name`."""
     resume: str | None = None
     """Continue the interrupted run in this directory, with the config it was started with."""
     max_restarts: int = 3

@@ -59,11 +59,13 @@ class ExpertParallel(nn.Module):
         self.group = ep_mesh.get_group()
         self.act_fn = experts.act_fn
         for name in ("gate_up_proj", "down_proj"):
-            whole = getattr(experts, name).detach()
+            weight = getattr(experts, name)
+            whole = weight.detach()
             start = ep_mesh.get_local_rank() * self.local_experts
             local = whole[start : start + self.local_experts].clone()
             shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            self.register_parameter(name, nn.Parameter(shard))
+            # Frozen experts (a LoRA run adapts only the attention) stay frozen.
+            self.register_parameter(name, nn.Parameter(shard, requires_grad=weight.requires_grad))
 
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

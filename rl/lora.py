@@ -296,3 +296,28 @@ def read_adapter(path: Path) -> tuple[dict[str, Any], float]:
     config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     return dict(checked_tensors(Path(path))), alpha / rank
+
+
+def export(run: Any, version: int | None = None) -> Path:
+    """Version `version` (the newest published) of a run as full HF weights: an adapter merged
+    into its base (version 0) into `export/step_N/` of the run (written once, COMPLETE last),
+    or the version's own directory where it holds full weights."""
+    from rl.model import load_model, load_tokenizer, publish_weights
+    from rl.rundir import is_complete
+
+    versions = run.published_versions()
+    if not versions:
+        raise ValueError(f"{run.root}: no published weights to export")
+    version = versions[-1] if version is None else version
+    source = run.weights_for(version)
+    if not is_adapter_dir(source):
+        return source
+    target = run.root / "export" / source.name
+    if not is_complete(target):
+        from peft import PeftModel
+
+        base = run.weights_for(0)
+        model = PeftModel.from_pretrained(load_model(base), source).merge_and_unload()
+        target.parent.mkdir(exist_ok=True)
+        publish_weights(model, load_tokenizer(base), target)
+    return target

@@ -256,10 +256,14 @@ class CheckedFront:
         import asyncio
         import logging
 
+        from rl.vllm_backend import VllmFrontend
+
         self.version, self.loaded = -1, []
+        self.model_name, self.adapters = "tiny", {}
         self.swap, self.ready = asyncio.Lock(), asyncio.Event()
         self.ready.set()
         self.logger = logging.getLogger("test")
+        self.held = VllmFrontend.held.__get__(self)
 
     async def _swap_weights(self, path: Path, version: int) -> dict:
         self.loaded.append(version)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +33,7 @@ from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenize
 from rl.records import is_train
 from rl.rundir import RunDir
 from rl.runtime import auth_headers, wait_for_address
-from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.testing import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
 from rl.weights.broadcast import InferenceBroadcaster
 from tests import dist_workers
 from tests.test_parallel import RTOL, assert_same_gradients, cache, prepare  # noqa: F401
@@ -49,13 +51,19 @@ def runs(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     tmp = tmp_path_factory.mktemp("lora")
     single, init_1 = prepare(tmp, "single", *LORA, "parallel=single")
     fsdp, init_2 = prepare(tmp, "fsdp2", *LORA, "parallel=fsdp")
-    for world, run_dir, init in ((1, single, init_1), (2, fsdp, init_2)):
+    moe = ("model=tiny_qwen3_moe", *LORA)
+    moe_1, moe_init_1 = prepare(tmp, "moe-single", *moe, "parallel=single")
+    moe_2, moe_init_2 = prepare(tmp, "moe-ep2", *moe, "parallel=fsdp", "parallel.trainer.ep=2")
+    layouts = ((1, single, init_1, moe_1, moe_init_1), (2, fsdp, init_2, moe_2, moe_init_2))
+    for world, run_dir, init, moe_dir, moe_init in layouts:
         one = (dist_workers.one_step, f"{init}_one", str(run_dir), (f"{run_dir}/one_step.pt",))
         job = (dist_workers.lora_steps, str(init), str(run_dir), (f"{run_dir}/straight", 1, 3))
-        mp.spawn(dist_workers.in_sequence, args=(world, [one, job]), nprocs=world, join=True)
+        experts = (dist_workers.one_step, str(moe_init), str(moe_dir), (f"{moe_dir}/one.pt",))
+        jobs = [one, job, experts]
+        mp.spawn(dist_workers.in_sequence, args=(world, jobs), nprocs=world, join=True)
     again = (dist_workers.lora_steps, f"{init_2}_again", str(fsdp), (f"{fsdp}/again", 3, 3))
     mp.spawn(dist_workers.in_sequence, args=(2, [again]), nprocs=2, join=True)
-    return {"single": single, "fsdp2": fsdp}
+    return {"single": single, "fsdp2": fsdp, "moe-single": moe_1, "moe-ep2": moe_2}
 
 
 def saved(run_dir: Path, phase: str, step: int) -> dict[str, Any]:
@@ -102,6 +110,19 @@ def test_fsdp2_trains_the_adapter_of_one_process(runs: dict[str, Path]) -> None:
             torch.testing.assert_close(got[name], tensor, rtol=0, atol=0.1 * lr, msg=name)
 
 
+def test_expert_parallelism_trains_an_adapter_on_the_attention_of_a_moe(
+    runs: dict[str, Path],
+) -> None:
+    """Qwen3-MoE with its experts split over two EP ranks: the attention adapter's gradients
+    are one process's (the experts, not adapted, get none)."""
+    want = torch.load(runs["moe-single"] / "one.pt")
+    got = torch.load(runs["moe-ep2"] / "one.pt")
+    assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+    assert len(want["grads"]) == 2 * TARGETS
+    assert all(lora.is_adapter_name(name) for name in want["grads"])
+    assert_same_gradients(got["grads"], want["grads"])
+
+
 def test_the_checkpoint_holds_the_adapter_and_resumes_into_the_same_step(
     runs: dict[str, Path],
 ) -> None:
@@ -142,6 +163,25 @@ def test_versions_are_the_base_in_full_then_peft_adapters(runs: dict[str, Path])
     ids = torch.tensor([[1, 10, 11, 12, 13]])
     with torch.no_grad():
         torch.testing.assert_close(peft(ids).logits, trainer.eval()(ids).logits)
+
+
+def test_export_merges_the_newest_adapter_into_full_weights(runs: dict[str, Path]) -> None:
+    """`rl action=export run_dir=...`: the newest version (2, an adapter) merged into its base
+    as an HF checkpoint that computes what the trainer's model did."""
+    run_dir = runs["single"]
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "action=export", f"run_dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    target = run_dir / "export" / "step_2"
+    assert out.stdout.strip().endswith(f"full weights: {target}")
+    assert (target / "COMPLETE").exists() and not lora.is_adapter_dir(target)
+    trainer = lora.wrap(load_model(RunDir(run_dir).weights_for(0)), compose_run(*LORA).model)
+    trainer.load_state_dict(saved(run_dir, "straight", 2)["state"])
+    ids = torch.tensor([[1, 10, 11, 12, 13]])
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(target)(ids).logits, trainer.eval()(ids).logits)
 
 
 # The embedded engine serving a LoRA run.
