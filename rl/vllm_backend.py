@@ -178,9 +178,11 @@ class VllmFrontend:
         """What vLLM serves `name` as: the base model, or the LoRA adapter loaded for it (the
         run's policy has one named apart from the base)."""
         name = name or self.model_name
-        if name != self.model_name:
-            return name
-        return f"{name}{POLICY_ADAPTER}" if name in self.adapters else name
+        return self._lora_name(name) if name in self.adapters else name
+
+    def _lora_name(self, name: str) -> str:
+        """The name vLLM holds `name`'s adapter under (the policy's apart from the base)."""
+        return name + POLICY_ADAPTER if name == self.model_name else name
 
     async def complete(self, body: dict[str, Any], name: str = "") -> dict[str, Any]:
         """vLLM's completions answer to `body` (token-id prompts), with the policy versions that
@@ -242,8 +244,7 @@ class VllmFrontend:
         """vLLM's runtime LoRA loading, in place of the adapter under the same name (requests
         in flight finish on the one they started with)."""
         t0 = time.monotonic()
-        lora_name = name + POLICY_ADAPTER if name == self.model_name else name
-        body = {"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
+        body = {"lora_name": self._lora_name(name), "lora_path": str(path), "load_inplace": True}
         response = await self.http.post(f"{self.vllm.url}/v1/load_lora_adapter", json=body)
         if response.status_code != 200:
             raise RefusedWeights(f"vLLM refused the adapter {path}: {response.text[:500]}")

@@ -86,15 +86,20 @@ def test_only_the_adapter_trains_after_a_warm_up_of_the_base(runs: dict[str, Pat
     assert all(not torch.equal(adapter_1[k], adapter_3[k]) for k in adapter_1)
 
 
-def test_fsdp2_trains_the_adapter_of_one_process(runs: dict[str, Path]) -> None:
-    """Two FSDP2 ranks compute one process's loss and adapter gradients (to float32 rounding
-    of the other summation order), and only the adapter's."""
-    want = torch.load(runs["single"] / "one_step.pt")
-    got = torch.load(runs["fsdp2"] / "one_step.pt")
+def assert_same_adapter_step(reference: Path, other: Path) -> None:
+    """Two layouts' one step (tests/dist_workers.py's one_step): the same loss, and gradients
+    for the adapter only, the same to float32 rounding."""
+    want, got = torch.load(reference), torch.load(other)
     assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
     assert len(want["grads"]) == 2 * TARGETS
     assert all(lora.is_adapter_name(name) for name in want["grads"])
     assert_same_gradients(got["grads"], want["grads"])
+
+
+def test_fsdp2_trains_the_adapter_of_one_process(runs: dict[str, Path]) -> None:
+    """Two FSDP2 ranks compute one process's loss and adapter gradients (to float32 rounding
+    of the other summation order), and only the adapter's."""
+    assert_same_adapter_step(runs["single"] / "one_step.pt", runs["fsdp2"] / "one_step.pt")
     # Warm-up (the base trains) and steps (the adapter trains) under FSDP2 land on one
     # process's weights. Adam moves every weight by about lr at its first steps however small
     # the gradient, so rounding-small gradients summed in another order move a weight
@@ -115,12 +120,7 @@ def test_expert_parallelism_trains_an_adapter_on_the_attention_of_a_moe(
 ) -> None:
     """Qwen3-MoE with its experts split over two EP ranks: the attention adapter's gradients
     are one process's (the experts, not adapted, get none)."""
-    want = torch.load(runs["moe-single"] / "one.pt")
-    got = torch.load(runs["moe-ep2"] / "one.pt")
-    assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
-    assert len(want["grads"]) == 2 * TARGETS
-    assert all(lora.is_adapter_name(name) for name in want["grads"])
-    assert_same_gradients(got["grads"], want["grads"])
+    assert_same_adapter_step(runs["moe-single"] / "one.pt", runs["moe-ep2"] / "one.pt")
 
 
 def test_the_checkpoint_holds_the_adapter_and_resumes_into_the_same_step(
@@ -248,9 +248,10 @@ def served_greedy(server: SimpleNamespace, model: str = "tiny") -> tuple[int, li
     return answer["policy_version"], [c["token_ids"] for c in answer["choices"]]
 
 
-def load(server: SimpleNamespace, version: int) -> httpx.Response:
-    path = RunDir(server.run_dir).weights_for(version)
-    return server.client.post("/admin/load_weights", json={"version": version, "path": str(path)})
+def load(server: SimpleNamespace, version: int, **extra: str) -> httpx.Response:
+    """Ask the server to load the run's published `version` (`extra`: an `adapter` name)."""
+    body = {"version": version, "path": str(RunDir(server.run_dir).weights_for(version))}
+    return server.client.post("/admin/load_weights", json={**body, **extra})
 
 
 @pytest.mark.slow
@@ -395,8 +396,7 @@ def test_two_adapters_are_served_side_by_side_under_their_names(served: SimpleNa
     lora.publish(20, served.first, tokenizer, None, layout)
     lora.publish(30, served.second, tokenizer, None, layout)
     assert load(served, 20).json()["policy_version"] == 20
-    body = {"version": 30, "path": str(layout.weights_for(30)), "adapter": "other"}
-    assert served.client.post("/admin/load_weights", json=body).json()["policy_version"] == 30
+    assert load(served, 30, adapter="other").json()["policy_version"] == 30
     names = [m["id"] for m in served.client.get("/v1/models").json()["data"]]
     assert names == ["tiny", "other"]
     first, second = greedy_ids(served.first, tokenizer), greedy_ids(served.second, tokenizer)
@@ -405,8 +405,7 @@ def test_two_adapters_are_served_side_by_side_under_their_names(served: SimpleNa
     unknown = {"model": "nobody", "prompt": "ab", "max_tokens": 2}
     response = served.client.post("/v1/completions", json=unknown)
     assert response.status_code == 400 and "'tiny', 'other'" in response.json()["detail"]
-    bad = {**body, "adapter": "../x"}
-    refused = served.client.post("/admin/load_weights", json=bad)
+    refused = load(served, 30, adapter="../x")
     assert refused.status_code == 400 and "adapter" in refused.text
 
 

@@ -55,16 +55,21 @@ TOKEN = "vllm-test"
 PROMPTS = ["reverse: hello\n", "reverse: cat\n", "reverse: spring\n"]
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
+@contextlib.contextmanager
+def vllm_config(tmp_path_factory: pytest.TempPathFactory, *overrides: str) -> Iterator[DictConfig]:
+    """A run served by vLLM (RELAY_VLLM_PYTHON's), in a cache of its own."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RELAY_CACHE", str(tmp_path_factory.mktemp("cache")))
-        # Broadcast: vLLM gets Relay's worker extension, so the server takes both transports.
         yield compose_run(
-            "inference.backend=vllm",
-            f"inference.vllm_python={VLLM_PYTHON}",
-            "inference.weight_transport=broadcast",
+            "inference.backend=vllm", f"inference.vllm_python={VLLM_PYTHON}", *overrides
         )
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
+    # Broadcast: vLLM gets Relay's worker extension, so the server takes both transports.
+    with vllm_config(tmp_path_factory, "inference.weight_transport=broadcast") as config:
+        yield config
 
 
 @contextlib.contextmanager
