@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from launcher.errors import PlanError
 from rl import lora
-from rl.config import Backend, WeightTransport
+from rl.config import Backend, ClusterKind, Placement, WeightTransport
 from rl.derive import inference_backend
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
@@ -122,6 +122,40 @@ def check_lora(cfg: DictConfig) -> str:
         f"LoRA rank {rank} (scale {lora.scale(model):g}) on {', '.join(targets)}: only the "
         f"adapter trains and travels; version 0 is the base in full"
     )
+
+
+def check_shared_inference(cfg: DictConfig) -> None:
+    """What a sweep point sharing inference (`inference.shared`) needs: a LoRA adapter (what
+    the shared service holds per point) on one machine's CPUs, loaded from disk."""
+    if not cfg.inference.shared:
+        return
+    key = "inference.shared=true"
+    if not lora.enabled(cfg.model):
+        raise PlanError(
+            f"{key}: the shared inference serves one base and each point's LoRA adapter; set "
+            f"model.lora.rank (for example model.lora.rank=16)"
+        )
+    slurm = cfg.cluster.kind == ClusterKind.slurm
+    if slurm and cfg.warmup.steps:
+        raise PlanError(
+            f"warmup.steps={cfg.warmup.steps}: on Slurm a shared sweep starts every point from "
+            f"the base it is given (model.path, for example a run's weights/step_0); set "
+            f"warmup.steps=0"
+        )
+    if not slurm and cfg.cluster.gpus_per_node:
+        raise PlanError(
+            f"{key} on one machine's GPUs: not built yet (each point's trainer needs GPUs of "
+            f"its own beside the service's); sweep with cluster=slurm, or without it"
+        )
+    if cfg.inference.weight_transport != WeightTransport.filesystem:
+        raise PlanError(
+            f"{key}: each point's adapter reaches the shared inference from its weights/ "
+            f"directory; use inference.weight_transport=filesystem"
+        )
+    if cfg.placement != Placement.split:
+        raise PlanError(
+            f"{key}: the points' trainers run beside the shared inference; use placement=split"
+        )
 
 
 # The ranks vLLM's --max-lora-rank accepts (vLLM's MaxLoRARanks).

@@ -24,6 +24,7 @@ from launcher.feasible import (
     check_cpu_fit,
     check_expert_split,
     check_lora,
+    check_shared_inference,
     shell_join,
     vllm_lora_rank,
     weights_missing,
@@ -500,7 +501,7 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
         args += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
     if lora.enabled(model):  # adapters loaded at runtime, each request naming its own
         args += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(cfg))]
-        args += ["--max-loras", str(cfg.inference.max_loras)]
+        args += ["--max-loras", str(cfg.inference.max_loras or 1)]
     return args
 
 
@@ -626,8 +627,11 @@ def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: i
     )
 
 
-def plan(cfg: DictConfig) -> RunPlan:
-    """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key."""
+def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
+    """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key.
+
+    A point of a sweep that shares inference (`inference.shared`) plans its queue,
+    orchestrator and trainer; `service=True` plans that sweep's inference service alone."""
     check_ranges(cfg)
     found = _fill_gpus(cfg)
     try:
@@ -667,6 +671,7 @@ def plan(cfg: DictConfig) -> RunPlan:
     check_cpu_fit(cfg)
     check_expert_split(cfg)
     adapter = check_lora(cfg)
+    check_shared_inference(cfg)
     notes: list[str] = [note for note in (found, adapter) if note]
     if missing := weights_missing(cfg):
         notes.append(f"{missing} (the run itself is refused until then)")
@@ -758,6 +763,14 @@ def plan(cfg: DictConfig) -> RunPlan:
         )
     )
 
+    if cfg.inference.shared:
+        kept = "inference" if service else ("queue", "orchestrator", "trainer")
+        processes = [p for p in processes if p.role in kept]
+        if not service:
+            notes.append(
+                "inference: the sweep's shared service (inference/ beside the points), serving "
+                "this point's adapter under the point's name"
+            )
     jobs: list[Job] = []
     if _shared(cfg):
         notes += [format_split(shared_split(cfg), cfg), *([turned_on] if turned_on else [])]
@@ -778,6 +791,8 @@ def plan(cfg: DictConfig) -> RunPlan:
                 c.mem_gb_per_node,
             ),
         ]
+        if cfg.inference.shared:  # the sweep's inference job, or a point's own jobs
+            jobs = [job for job in jobs if (job.name == "inference") == service]
         if cfg.cluster.partition is None:
             notes.append("no cluster.partition: Slurm's default partition is used")
     if gpus and cfg.cluster.gpu_memory_gb:
@@ -804,11 +819,13 @@ def plan(cfg: DictConfig) -> RunPlan:
 
 def plan_header(p: RunPlan, cfg: DictConfig) -> str:
     """The plan in one line: what runs where, how long, with what learning rate."""
+    replicas = cfg.parallel.inference.replicas
+    inference = f"x{replicas}" + (" (shared by the sweep)" if cfg.inference.shared else "")
     return (
         f"run {p.run_name} on cluster={p.cluster}: {cfg.max_steps} steps of "
         f"{p.batch_size} samples, trainer world {p.trainer_world_size} "
         f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
-        f"lr {p.lr:g}, inference backend {p.backend} x{len(p.role('inference'))}, "
+        f"lr {p.lr:g}, inference backend {p.backend} {inference}, "
         f"async_level {cfg.algorithm.async_level}, placement {cfg.placement}, warm-up "
         f"{cfg.warmup.steps} steps"
     )

@@ -37,12 +37,20 @@ def launch(cfg: DictConfig) -> None:
         run_plan = plan(cfg)
         if not cfg.dry_run:
             check_weights(cfg)
+        if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest
+            from launcher import shared
+
+            if cfg.dry_run:
+                shared.print_service_plan(cfg)
+            shared.add_point(cfg)
     except Exception:
         _remove_if_empty(run_dir)
         raise
     if cfg.dry_run:
         print(format_plan(run_plan, cfg))
         _remove_if_empty(run_dir)
+        return
+    if cfg.inference.shared:
         return
     if cfg.cluster.kind == ClusterKind.slurm:
         from launcher.slurm import submit
@@ -110,6 +118,11 @@ def resume(cfg: DictConfig, target: Path) -> None:
         from launcher.slurm import resubmit
 
         resubmit(cfg_now, run_plan, run)
+        return
+    if cfg_now.inference.shared:  # a point of a sweep sharing inference: with the service
+        from launcher.shared import resume_point
+
+        resume_point(cfg_now, run_plan, run)
         return
     from launcher.local import run_local
 

@@ -179,35 +179,45 @@ def resubmit(cfg: DictConfig, run_plan: RunPlan, run: RunDir) -> None:
 
 
 def _submit_jobs(cfg: DictConfig, run_plan: RunPlan, run: RunDir, partition: str) -> None:
-    """Submit every job held, record the ids, release them together; on any failure cancel
-    what was submitted and raise ConfigError."""
-    ids: dict[str, str] = {}
-    point = run.root.name.split("-", 1)[0]  # a sweep point's number names its jobs too
-    run_name = f"{run_plan.run_name}-{point}" if point.isdigit() else run_plan.run_name
+    submit_together([(cfg, run_plan, run)], partition)
+
+
+def submit_together(runs: list[tuple[DictConfig, RunPlan, RunDir]], partition: str) -> None:
+    """Submit every job of `runs` held, record each run's ids, release them all together; on
+    any failure cancel what was submitted and raise ConfigError."""
+    submitted: list[str] = []
+    named: list[tuple[RunDir, str, dict[str, str]]] = []
     try:
-        for job in run_plan.jobs:
-            executor = submitit.SlurmExecutor(
-                folder=run.submitit_folder(job.name), max_num_timeout=cfg.cluster.max_requeues
-            )
-            extra = {"hold": True, **job.sbatch_extra}
-            executor.update_parameters(
-                **sbatch_parameters(job, run_name, cfg), additional_parameters=extra
-            )
-            ids[job.name] = executor.submit(JobRoles(str(run.root), job.name)).job_id
-        write_jobs(run, partition, ids)
-        slurm("scontrol", "release", ",".join(ids.values()))
+        for cfg, run_plan, run in runs:
+            ids: dict[str, str] = {}
+            point = run.root.name.split("-", 1)[0]  # a sweep point's number names its jobs too
+            run_name = f"{run_plan.run_name}-{point}" if point.isdigit() else run_plan.run_name
+            for job in run_plan.jobs:
+                executor = submitit.SlurmExecutor(
+                    folder=run.submitit_folder(job.name), max_num_timeout=cfg.cluster.max_requeues
+                )
+                extra = {"hold": True, **job.sbatch_extra}
+                executor.update_parameters(
+                    **sbatch_parameters(job, run_name, cfg), additional_parameters=extra
+                )
+                ids[job.name] = executor.submit(JobRoles(str(run.root), job.name)).job_id
+                submitted.append(ids[job.name])
+            write_jobs(run, partition, ids)
+            named.append((run, run_name, ids))
+        slurm("scontrol", "release", ",".join(submitted))
     except BaseException as err:
-        if ids:
-            slurm("scancel", *ids.values(), check=False)
+        if submitted:
+            slurm("scancel", *submitted, check=False)
         if isinstance(err, Exception):
             lines = str(err).strip().splitlines() or [type(err).__name__]
             raise ConfigError(f"submission failed, nothing left queued: {lines[-1]}") from None
         raise
-    print(f"run directory: {run.root}")
-    for name, job_id in ids.items():
-        print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")
-    print(f"logs: {run.logs}/ (roles), {run.root / 'slurm'}/<job>/ (each job's supervisor)")
-    print(f"status: uv run rl action=status run_dir={run.root}")
+    for run, run_name, ids in named:
+        print(f"run directory: {run.root}")
+        for name, job_id in ids.items():
+            print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")
+        print(f"logs: {run.logs}/ (roles), {run.root / 'slurm'}/<job>/ (each job's supervisor)")
+        print(f"status: uv run rl action=status run_dir={run.root}")
 
 
 def _newest(records: list[dict]) -> dict | None:

@@ -36,7 +36,7 @@ from launcher.processes import (
 )
 from launcher.report import finish_run
 from launcher.tracking import Follow
-from rl.rundir import RunDir
+from rl.rundir import SERVICE, RunDir, shared_service
 from rl.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
 
 POLL_S = 1.0
@@ -49,6 +49,13 @@ CANCEL_WAIT_S = 60.0
 # How long the trainer may take to checkpoint after a SIGTERM; Slurm's SIGKILL follows after
 # its KillWait (30 s by default), which ends the wait sooner.
 TERM_CHECKPOINT_S = 60.0
+
+
+def all_points_ended(sweep_dir: Path) -> bool:
+    """Whether every point of a shared-inference sweep has finished or failed."""
+    from launcher.sweep import sweep_points
+
+    return all(p.complete.exists() or p.failure.exists() for p in sweep_points(sweep_dir))
 
 
 class RunEnded(RuntimeError):
@@ -182,9 +189,19 @@ class NodeSupervisor:
 
     # --- watch -----------------------------------------------------------------------------
 
+    def is_service(self) -> bool:
+        """Whether this job is a shared-inference sweep's service (not a run of its own)."""
+        return self.cfg.inference.shared and self.rundir.root.name == SERVICE
+
     def peers(self) -> dict[str, str]:
         jobs = slurm_cli.read_jobs(self.rundir)
-        return {name: job_id for name, job_id in jobs.items() if name != self.job}
+        peers = {name: job_id for name, job_id in jobs.items() if name != self.job}
+        if self.cfg.inference.shared and not self.is_service():
+            # A sweep point's servers are the sweep's shared inference: its job is waited for
+            # and watched (it failing ends this point), never cancelled from here.
+            service = slurm_cli.read_jobs(RunDir(shared_service(self.rundir.root)))
+            peers.update({f"shared {name}": job_id for name, job_id in service.items()})
+        return peers
 
     def check_peers(self, peers: dict[str, str]) -> dict[str, slurm_cli.JobState]:
         """Each peer job's state; cancels the run when one has ended badly."""
@@ -303,6 +320,10 @@ class NodeSupervisor:
             if done and self.node == 0:
                 self.rundir.mark_done("trainer")
             return bool(done)
+        if self.is_service():  # serves until every point of the sweep has ended
+            if all_points_ended(self.rundir.root.parent):
+                self.rundir.complete.touch()
+            return self.rundir.complete.exists()
         if self.job == "inference":
             return self.rundir.complete.exists()
         if any(c.role == "orchestrator" for c in done):

@@ -1,8 +1,8 @@
 """A sweep's comparison: `sweep_summary.md` (one row per point: what it changed, how it
 ended, its last rewards and pace) and `sweep.png` (every point's reward curves on one plot),
-written into the sweep directory when a multirun ends (`SweepSummary`, a Hydra callback) and
-again by `rl action=status run_dir=<sweep dir>` (a Slurm sweep's points end after the command
-that submitted them).
+written into the sweep directory when a multirun ends (`SweepEnd` in launcher/shared.py, a
+Hydra callback) and again by `rl action=status run_dir=<sweep dir>` (a Slurm sweep's points end
+after the command that submitted them).
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-
+from launcher.errors import ConfigError
 from launcher.report import read_records, read_summary
+from launcher.setup import running_roles
+from launcher.slurm_cli import job_states, read_jobs
 from rl.records import is_eval, is_train
-from rl.rundir import CONFIG, RunDir
+from rl.rundir import BASE, CONFIG, SERVICE, RunDir
 
 COLUMNS = (
     ("status", "status", "{}"),
@@ -29,7 +29,11 @@ COLUMNS = (
 
 def sweep_points(sweep_dir: Path) -> list[RunDir]:
     """The sweep's run directories, in the order Hydra numbered them."""
-    runs = [RunDir(p.parent) for p in sweep_dir.glob(f"*/{CONFIG}")]
+    runs = [
+        RunDir(p.parent)
+        for p in sweep_dir.glob(f"*/{CONFIG}")
+        if p.parent.name not in (SERVICE, BASE)  # a shared-inference sweep's service and base
+    ]
     return sorted(runs, key=lambda run: _number(run.root.name))
 
 
@@ -51,15 +55,35 @@ def _cell(summary: dict[str, Any], key: str, form: str, run: RunDir) -> str:
     return form.format(summary[key]) if key in summary else "-"
 
 
+def _shared_service(sweep_dir: Path) -> list[str]:
+    """A line on the sweep's shared inference service, where it has one."""
+    service = RunDir(sweep_dir / SERVICE)
+    if not service.config.exists():
+        return []
+    state = "running" if running_roles(service) else "stopped"
+    if jobs := read_jobs(service):  # on Slurm: its job's state
+        try:
+            states = job_states(list(jobs.values()))
+            state = ", ".join(f"job {i} {states[i].state}" for i in jobs.values() if i in states)
+        except ConfigError:
+            state = "Slurm did not answer"
+    config = service.load_config()
+    return [
+        f"One inference service for every point ({service.root}, {state}): base "
+        f"{config.model.path}, up to {config.inference.max_loras} adapters of rank up to "
+        f"{config.inference.max_lora_rank}, each point's under its name (point-N).",
+        "",
+    ]
+
+
 def write_sweep_summary(sweep_dir: Path) -> Path | None:
     """Write the table and the combined plot; None when the directory holds no point."""
     points = sweep_points(sweep_dir)
     if not points:
         return None
     labels = [" ".join(v) or run.root.name for run, v in zip(points, varied(points), strict=True)]
-    lines = [
-        f"# sweep {sweep_dir}",
-        "",
+    lines = [f"# sweep {sweep_dir}", "", *_shared_service(sweep_dir)]
+    lines += [
         "| point | overrides | " + " | ".join(title for title, _, _ in COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
     ]
@@ -103,12 +127,3 @@ def plot_sweep(runs: list[list[dict]], labels: list[str], target: Path) -> None:
     fig.tight_layout()
     fig.savefig(target, dpi=100)
     plt.close(fig)
-
-
-class SweepSummary(Callback):
-    """Hydra calls this when a multirun ends (conf/config.yaml, `hydra.callbacks`)."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        target = write_sweep_summary(Path(config.hydra.sweep.dir))
-        if target is not None:
-            print(f"sweep summary: {target} (plot {target.parent / 'sweep.png'})", flush=True)

@@ -209,10 +209,12 @@ class Follow:
     """Follows a run's metrics: logs each new record to wandb and, with `echo`, prints its
     console line. `poll` often while the run goes on; `close` once it has ended."""
 
-    def __init__(self, cfg: Any, run: RunDir, echo: bool, group: str | None = None) -> None:
+    def __init__(
+        self, cfg: Any, run: RunDir, echo: bool, group: str | None = None, prefix: str = ""
+    ) -> None:
         self.tail = MetricsTail(run)
         self.console = Console(cfg.max_steps)
-        self.echo = echo
+        self.echo, self.prefix = echo, prefix  # prefix: whose line it is (a sweep's point)
         self.tracker = Tracker(cfg, run, group)
 
     def poll(self) -> None:
@@ -220,7 +222,7 @@ class Follow:
             self.tracker.log(record)
             text = self.console.line(record)
             if text and self.echo:
-                print(text, flush=True)
+                print(self.prefix + text, flush=True)
 
     def close(self, exit_code: int = 0) -> str:
         """Log what is left and end the wandb run; returns its mode."""

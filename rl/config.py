@@ -404,8 +404,13 @@ class InferenceConfig:
     max_lora_rank: int | None = None
     """Largest adapter rank the servers accept (vLLM's `--max-lora-rank`); None: the run's
     `model.lora.rank`. A run whose rank is above it is refused at plan time."""
-    max_loras: int = 1
-    """Adapters a server holds at once (vLLM's `--max-loras`)."""
+    max_loras: int | None = None
+    """Adapters a server holds at once (vLLM's `--max-loras`); None: 1, or in a sweep with
+    `shared` inference one per sweep point. A shared sweep with more points is refused."""
+    shared: bool = False
+    """In a multirun of LoRA runs (`rl -m ...`): one inference service for the whole sweep,
+    holding each point's adapter under the point's name, with every point's queue,
+    orchestrator and trainer running side by side (docs/lora.md)."""
     broadcast_timeout_s: float = 300.0
     """Seconds a broadcast waits for an inference server (to join the group, to take the
     weights, to report the new version) before the trainer fails naming it."""

@@ -33,7 +33,7 @@ from rl.generation import NO_LIMITS, Limits, StepSink, generate
 from rl.lora import Adapters
 from rl.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
-from rl.rundir import RunDir
+from rl.rundir import RunDir, point_name, shared_point
 from rl.runtime import (
     listen_socket,
     load_run_config,
@@ -44,7 +44,13 @@ from rl.runtime import (
     start_heartbeat,
     write_address,
 )
-from rl.weights.published import RefusedWeights, check_finite, published_dir, read_checkpoint
+from rl.weights.published import (
+    RefusedWeights,
+    check_finite,
+    loading_from,
+    published_dir,
+    read_checkpoint,
+)
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec, WeightReceiver
 
@@ -160,6 +166,7 @@ class Engine:
             Adapters(model, lora.targets(cfg.model)) if lora.enabled(cfg.model) else None
         )
         self.lora_scale = lora.scale(cfg.model) if self.adapters else 1.0
+        self.shared = cfg.inference.shared  # a sweep's shared inference: one base, N points
         self._pending: deque[CompletionJob | LoadJob | MemoryJob] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -289,6 +296,11 @@ class Engine:
         """Full weights (the base: no adapter under `name` after it) or, in a LoRA run, an
         adapter served as `name`."""
         if not lora.is_adapter_dir(path):
+            if self.shared and version == 0 and name != self.model_name:
+                # A sweep point's version 0 is the base this service holds (the sweep starts
+                # every point from it): the point is served, its adapter to come.
+                self.adapters.put(name, lora.Adapter({}, 1.0, version))
+                return
             if name != self.model_name:
                 raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
             load_state_dict_in_place(self.model, path)
@@ -515,15 +527,17 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
         return app.openapi()
 
     @app.get("/admin/version", dependencies=[Depends(authorized)])
-    async def version() -> dict:
-        return {"policy_version": engine.version}
+    async def version(model: str = "") -> dict:
+        """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
+        return {"policy_version": engine.held(model)}
 
     add_routes(app, authorized, EmbeddedReceiver(engine), engine.logger)
 
     @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
     async def load_weights(body: LoadWeightsRequest) -> dict:
         try:
-            path = await asyncio.to_thread(published_dir, run_dir, body.version, body.path)
+            source = loading_from(run_dir, engine.shared, body.adapter)
+            path = await asyncio.to_thread(published_dir, source, body.version, body.path)
             job = LoadJob(path, body.version, adapter=body.adapter or "")
             return await asyncio.wrap_future(engine.submit(job))
         except ValueError as exc:  # RefusedWeights, or weights that do not fit the model
@@ -538,6 +552,29 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
         return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
 
     return app
+
+
+def restored(run_dir: Path, shared: bool) -> list[tuple[str, Path, int]]:
+    """What a restarted server loads before it answers, as (adapter name, directory, version):
+    the newest published version (a LoRA run's adapter after its base, version 0), or for a
+    sweep's shared inference each point's newest under the point's name ("": the policy)."""
+    if shared:
+        points = [p.parent for p in Path(run_dir).parent.glob("*/config.yaml")]
+        found = [(point_name(p), RunDir(p)) for p in sorted(points)]
+        found = [(name, run) for name, run in found if shared_point(Path(run_dir), name)]
+        return [
+            (name, run.weights_for(run.newest_version()), run.newest_version())
+            for name, run in found
+            if run.newest_version() >= 0
+        ]
+    run = RunDir(run_dir)
+    newest = run.newest_version()
+    if newest < 0:
+        return []
+    loads = [("", run.weights_for(newest), newest)]
+    if lora.is_adapter_dir(run.weights_for(newest)):
+        loads.insert(0, ("", run.weights_for(0), 0))
+    return loads
 
 
 def _announce(server: Any, run_dir: Path, name: str, port: int, logger: logging.Logger) -> None:
@@ -561,12 +598,9 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
     device = "cuda" if (cfg.cluster.gpus_per_node or 0) > 0 and torch.cuda.is_available() else "cpu"
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
     engine = Engine(model, load_tokenizer(path), cfg, logger)
-    if (newest := RunDir(run_dir).newest_version()) >= 0:
-        # A restarted server: back on the newest policy before it answers anything (a LoRA
-        # run's adapter on its base, version 0).
-        if lora.is_adapter_dir(RunDir(run_dir).weights_for(newest)):
-            engine.submit(LoadJob(RunDir(run_dir).weights_for(0), 0))
-        engine.submit(LoadJob(RunDir(run_dir).weights_for(newest), newest))
+    # A restarted server: back on the newest policy (or each sweep point's) before it answers.
+    for adapter, weights, version in restored(run_dir, cfg.inference.shared):
+        engine.submit(LoadJob(weights, version, adapter=adapter))
     app = build_app(engine, run_token(run_dir), max_model_len(cfg), run_dir)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]

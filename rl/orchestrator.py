@@ -30,7 +30,7 @@ from rl.derive import max_model_len
 from rl.envs import Environment, Example, make_environment
 from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
 from rl.records import EvalRecord, Group, RolloutRecord, Sample, is_eval
-from rl.rundir import RunDir
+from rl.rundir import RunDir, point_name, shared_service
 from rl.runtime import (
     Peer,
     auth_headers,
@@ -54,6 +54,10 @@ class InferenceClient:
     A server that stops answering is looked up again in the run directory; its requests go to
     the other servers meanwhile (or wait for it, when it is the only one), and once it answers
     again it is given the newest published weights before it serves rollouts.
+
+    A point of a sweep that shares inference finds the servers in the sweep's service
+    directory (`service`) and is served there as `adapter`: its requests name it, its weights
+    are loaded under it, and a server's version is read for it.
     """
 
     def __init__(
@@ -63,11 +67,15 @@ class InferenceClient:
         token: str,
         model: str,
         timeouts: TimeoutsConfig | None = None,
+        adapter: str = "",
+        service: Path | None = None,
     ) -> None:
-        self.run_dir, self.model = run_dir, model
+        self.run_dir, self.adapter = run_dir, adapter
+        self.model = adapter or model
+        self.addresses = service or run_dir
         timeouts = timeouts or TimeoutsConfig()
         self.peer_s = timeouts.peer_s
-        self.servers = [Peer(run_dir, name, self.peer_s) for name in names]
+        self.servers = [Peer(self.addresses, name, self.peer_s) for name in names]
         self.http = httpx.Client(headers=auth_headers(token), timeout=timeouts.request_s)
         self.version = -1  # what every server should hold
         self.stale = [False] * len(names)  # missed a weight load while down
@@ -106,14 +114,16 @@ class InferenceClient:
         """Whether server i answers with the current weights (after reloading them)."""
         server = self.servers[i]
         with self.locks[i]:
-            server.url = read_address(self.run_dir, server.name) or server.url
+            server.url = read_address(self.addresses, server.name) or server.url
             try:
-                held = self.http.get(f"{server.url}/admin/version", timeout=5.0)
+                held = self.http.get(
+                    f"{server.url}/admin/version", params={"model": self.adapter}, timeout=5.0
+                )
                 held.raise_for_status()
                 if held.json()["policy_version"] < self.version or self.stale[i]:
                     newest = RunDir(self.run_dir).newest_version()
                     path = RunDir(self.run_dir).weights_for(newest)
-                    self._post(i, "/admin/load_weights", {"path": str(path), "version": newest})
+                    self._post(i, "/admin/load_weights", self._load_body(path, newest))
                     self.log.info("%s is back: loaded version %d into it", server.name, newest)
                 self.stale[i] = False
                 return True
@@ -198,14 +208,20 @@ class InferenceClient:
         for i, server in enumerate(self.servers):
             with self.locks[i]:
                 try:
-                    self._post(i, "/admin/load_weights", {"path": str(path), "version": version})
+                    self._post(i, "/admin/load_weights", self._load_body(path, version))
                 except httpx.TransportError as err:
                     self.log.warning("%s missed version %d (%r)", server.name, version, err)
                     self.stale[i] = True
         if all(self.stale) and not any(self._revive(i) for i in range(len(self.servers))):
             # No server took the weights: wait for one, so that batches keep their version.
-            self.call(0, "/admin/load_weights", {"path": str(path), "version": version})
+            self.call(0, "/admin/load_weights", self._load_body(path, version))
             self.stale[0] = False
+
+    def _load_body(self, path: Path, version: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"path": str(path), "version": version}
+        if self.adapter:
+            body["adapter"] = self.adapter
+        return body
 
 
 def score_group(
@@ -401,8 +417,15 @@ class Orchestrator:
         self.env: Environment = make_environment(cfg.environment)
         token = run_token(run_dir)
         self.queue = Peer(run_dir, "queue", cfg.timeouts.peer_s)
+        shared = cfg.inference.shared  # served by the sweep's inference, as this point
         self.inference = InferenceClient(
-            run_dir, inference_names(cfg), token, cfg.model.name, cfg.timeouts
+            run_dir,
+            inference_names(cfg),
+            token,
+            cfg.model.name,
+            cfg.timeouts,
+            adapter=point_name(Path(run_dir)) if shared else "",
+            service=shared_service(Path(run_dir)) if shared else None,
         )
         self.http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
         self.version = -1

@@ -23,6 +23,11 @@ the run's state here, on a shared filesystem on a cluster:
     control/               the supervisor's checkpoint request and the trainer's answer
     jobs.json, failure.json, complete, done/<role>, ended/, slurm/<job>/   Slurm runs
 
+A sweep with shared inference (`inference.shared`) keeps, beside its points' run directories,
+`inference/` (the service's run directory: its config, token, addresses, logs) and `base/`
+(the one warm-up every point starts from); each point's adapter is served under
+`point_name(point)` and loaded from that point's own `weights/` (`shared_point`).
+
 Torch-free (the launcher imports it). Writes that others read while a run is live are atomic
 (a temporary file renamed into place), and appends to metrics.jsonl go through one lock.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +53,33 @@ PLAN = "plan.json"
 METRICS = "metrics.jsonl"
 TOKEN = "token"
 STEP_PREFIX = "step_"
+
+
+SERVICE = "inference"  # a shared-inference sweep's service directory, beside its points
+BASE = "base"  # its one warm-up, beside its points
+POINT_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def point_name(point: Path) -> str:
+    """The name a sweep point's adapter is served under by the shared inference: `point-N`
+    for Hydra's N-th point (its directory `N-<overrides>`), else the directory's name."""
+    head = point.name.split("-", 1)[0]
+    if head.isdigit():
+        return f"point-{head}"
+    return POINT_NAME.sub("_", point.name)[:64]
+
+
+def shared_service(point: Path) -> Path:
+    """The inference service directory of a sweep point that shares it."""
+    return point.parent / SERVICE
+
+
+def shared_point(service: Path, name: str) -> Path | None:
+    """The run directory of the sweep point served as `name`, or None."""
+    for config in service.parent.glob(f"*/{CONFIG}"):
+        if config.parent.name not in (SERVICE, BASE) and point_name(config.parent) == name:
+            return config.parent
+    return None
 
 
 def mark_complete(folder: Path, sync: bool = False) -> None:

@@ -493,6 +493,9 @@ class Trainer:
     def run(self) -> None:
         cfg = self.cfg
         first = self.start()
+        if cfg.max_steps == 0:  # the warm-up alone: a shared-inference sweep's base
+            self.log.info("done: warm-up only, version 0 published")
+            return
         token = run_token(self.run_dir.root)
         http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
         queue = Peer(self.run_dir.root, "queue", cfg.timeouts.peer_s)

@@ -47,7 +47,7 @@ from rl.model import ensure_checkpoint, load_tokenizer
 from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.rundir import RunDir
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
-from rl.weights.published import RefusedWeights, check_checkpoint, published_dir
+from rl.weights.published import RefusedWeights, check_checkpoint, loading_from, published_dir
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec
 
@@ -150,13 +150,23 @@ def _terminate_with_parent() -> None:
 class VllmFrontend:
     """Relay's inference contract over one supervised vLLM server."""
 
-    def __init__(self, vllm: VllmProcess, tokenizer: Any, model_name: str, logger: logging.Logger):
+    def __init__(
+        self,
+        vllm: VllmProcess,
+        tokenizer: Any,
+        model_name: str,
+        logger: logging.Logger,
+        shared: bool = False,
+    ):
         self.vllm, self.tokenizer, self.model_name, self.logger = (
             vllm,
             tokenizer,
             model_name,
             logger,
         )
+        self.shared = shared  # a sweep's shared inference: one base, each point's adapter
+        # Sweep points served by the base alone (their version 0) until their first adapter.
+        self.base_points: dict[str, int] = {}
         self.version = -1
         self.weights: tuple[Path, int] | None = None  # last loaded from disk, and its version
         # LoRA adapters vLLM serves, by the name requests ask for (the run's own policy under
@@ -171,14 +181,18 @@ class VllmFrontend:
     def held(self, name: str = "") -> int:
         """The version served under `name` ("": the run's own policy)."""
         if name and name != self.model_name:
-            return self.adapters[name][1] if name in self.adapters else -1
+            if name in self.adapters:
+                return self.adapters[name][1]
+            return self.base_points.get(name, -1)
         return self.version
 
     def vllm_model(self, name: str = "") -> str:
         """What vLLM serves `name` as: the base model, or the LoRA adapter loaded for it (the
         run's policy has one named apart from the base)."""
         name = name or self.model_name
-        return self._lora_name(name) if name in self.adapters else name
+        if name in self.adapters:
+            return self._lora_name(name)
+        return self.model_name if name in self.base_points else name
 
     def _lora_name(self, name: str) -> str:
         """The name vLLM holds `name`'s adapter under (the policy's apart from the base)."""
@@ -234,6 +248,11 @@ class VllmFrontend:
             await self.ready.wait()
             if lora.is_adapter_dir(path):
                 return await self._load_adapter(path, version, name)
+            if self.shared and version == 0 and name != self.model_name:
+                # A sweep point's version 0 is the base vLLM holds (the sweep starts every
+                # point from it): the point is served, its adapter to come.
+                self.base_points[name] = version
+                return {"policy_version": version, "load_s": 0.0}
             if name != self.model_name:
                 raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
             result = await self._swap_weights(path, version)
@@ -377,7 +396,7 @@ class VllmBackend:
         self.max_rows = None  # vLLM schedules any number itself
 
     def served(self) -> list[str]:
-        named = sorted(n for n in self.front.adapters if n != self.model_name)
+        named = sorted({*self.front.adapters, *self.front.base_points} - {self.model_name})
         return [self.model_name, *named]
 
     def body(self, prompts: list[list[int]], params: Params) -> dict[str, Any]:
@@ -468,8 +487,9 @@ def build_app(
         return {"status": "ok", "policy_version": front.version, "backend": "vllm"}
 
     @app.get("/admin/version", dependencies=[Depends(authorized)])
-    async def version() -> dict:
-        return {"policy_version": front.version}
+    async def version(model: str = "") -> dict:
+        """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
+        return {"policy_version": front.held(model)}
 
     @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
     async def load_weights(request: Request) -> dict:
@@ -477,12 +497,13 @@ def build_app(
         if not isinstance(body, dict):
             raise HTTPException(400, "body needs a published 'version' (and optionally its 'path')")
         try:  # only a version this run published, as the embedded engine (rl/weights/published.py)
-            path = await asyncio.to_thread(
-                published_dir, run_dir, body.get("version"), body.get("path")
-            )
             adapter = body.get("adapter") or ""
             if adapter and not (isinstance(adapter, str) and ADAPTER_NAME.fullmatch(adapter)):
                 raise RefusedWeights(f"adapter={adapter!r}: a name of 1-64 letters, digits, ._-")
+            source = loading_from(run_dir, front.shared, adapter)
+            path = await asyncio.to_thread(
+                published_dir, source, body.get("version"), body.get("path")
+            )
             return await front.load_weights(path, body["version"], adapter)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
@@ -516,7 +537,9 @@ def serve(
     logs.mkdir(parents=True, exist_ok=True)
     vllm = VllmProcess(python, args, RunDir(run_dir).log(f"{name}-vllm"), logger)
     vllm.start()
-    front = VllmFrontend(vllm, load_tokenizer(checkpoint), cfg.model.name, logger)
+    front = VllmFrontend(
+        vllm, load_tokenizer(checkpoint), cfg.model.name, logger, cfg.inference.shared
+    )
     front.ready.set()
     from rl.runtime import run_token
 

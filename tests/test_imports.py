@@ -167,11 +167,13 @@ def test_rl_has_no_import_cycle() -> None:
 LAUNCHER_LAYERS = (
     ("launcher", "launcher.errors", "launcher.gpus", "launcher.help", "launcher.report"),
     ("launcher.tracking",),
-    ("launcher.checks", "launcher.feasible", "launcher.sweep"),
+    ("launcher.checks", "launcher.feasible"),
     ("launcher.plan",),
     ("launcher.setup", "launcher.processes", "launcher.slurm_cli"),
+    ("launcher.sweep",),
     ("launcher.local", "launcher.supervisor"),
     ("launcher.slurm",),
+    ("launcher.shared",),
     ("launcher.run",),
     ("launcher.cli",),
 )

@@ -259,7 +259,7 @@ class CheckedFront:
         from rl.vllm_backend import VllmFrontend
 
         self.version, self.loaded = -1, []
-        self.model_name, self.adapters = "tiny", {}
+        self.model_name, self.adapters, self.shared, self.base_points = "tiny", {}, False, {}
         self.swap, self.ready = asyncio.Lock(), asyncio.Event()
         self.ready.set()
         self.logger = logging.getLogger("test")

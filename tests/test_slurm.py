@@ -634,3 +634,48 @@ def test_status_shows_current_reasons_user_names_and_every_attempt(
     cancelled = next(x for x in lines if " 11 " in x)
     assert "CANCELLED by root" in cancelled and "JobHeldUser" not in cancelled
     assert f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out" in lines
+
+
+@needs_slurm
+def test_a_shared_inference_sweep_is_one_inference_job_and_each_points_own(
+    tmp_path: Path,
+) -> None:
+    """`rl -m ... inference.shared=true` on Slurm: one inference job for the sweep, a control
+    and a trainer job per point. Point 1's trainer job is cancelled once it trains: point 1
+    ends, point 0 trains to the end on the same service, whose job then ends COMPLETED."""
+    result = rl(
+        tmp_path, "-m", "cluster=slurm_cpu", "warmup.steps=0", "model.lora.rank=8",
+        "inference.shared=true", "max_steps=30", "algorithm.lr=1e-3,3e-3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    dirs = [
+        Path(x.removeprefix("run directory: "))
+        for x in result.stdout.splitlines()
+        if x.startswith("run directory: ")
+    ]
+    service, points = dirs[0], dirs[1:]
+    assert service.name == "inference" and len(points) == 2
+    assert all(p.parent == service.parent for p in points)
+    assert set(slurm_cli.read_jobs(RunDir(service))) == {"inference"}
+    for point in points:
+        assert set(slurm_cli.read_jobs(RunDir(point))) == {"control", "trainer"}
+    victim = slurm_cli.read_jobs(RunDir(points[1]))["trainer"]
+    wait_until(lambda: steps_so_far(points[1]), 600, "point 1's first step")
+    slurm_cli.slurm("scancel", victim)
+    survivor = final_states(points[0], timeout=600)
+    assert {s.state for s in survivor.values()} == {"COMPLETED"}, survivor
+    assert train_steps(points[0]) == list(range(1, 31))
+    cancelled = final_states(points[1], timeout=180)
+    assert cancelled["trainer"].state.split()[0] == "CANCELLED", cancelled
+    assert json.loads((points[1] / "failure.json").read_text())["job"] == "trainer"
+    assert len(train_steps(points[1])) < 30
+    served = final_states(service, timeout=180)
+    assert served["inference"].state == "COMPLETED", served
+    assert served["inference"].nodes not in {s.nodes for s in survivor.values()}
+    log = (service / "logs" / "inference-0.log").read_text()
+    assert f"{points[0]}/weights/step_30 as point-0" in log
+    assert f"{points[1]}/weights/step_1 as point-1" in log
+    status = rl(tmp_path, "action=status", f"run_dir={service.parent}")
+    assert "One inference service for every point" in status.stdout, status.stderr
+    assert "COMPLETED" in status.stdout
+    assert status.stdout.count("| finished | 30 |") == 1 and "| failed |" in status.stdout

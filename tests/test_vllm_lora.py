@@ -15,8 +15,9 @@ from omegaconf import DictConfig
 
 from rl import lora
 from rl.model import ensure_checkpoint, load_tokenizer
-from rl.rundir import RunDir
+from rl.rundir import SERVICE, RunDir
 from tests.test_lora import adapted, greedy_ids, load, served_greedy
+from tests.test_shared_sweep import check_shared_service
 from tests.test_vllm import pytestmark, vllm_config, vllm_server  # noqa: F401
 
 
@@ -84,3 +85,21 @@ def test_vllm_refuses_an_adapter_above_its_rank_and_keeps_serving(
     assert response.status_code == 400
     assert "vLLM refused the adapter" in response.json()["detail"]
     assert served_greedy(server) == before
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """vLLM as a sweep's shared inference service (`<sweep>/inference`)."""
+    overrides = ("model.lora.rank=8", "inference.shared=true", "inference.max_loras=2")
+    with vllm_config(tmp_path_factory, *overrides) as cfg:
+        service = tmp_path_factory.mktemp("sweep") / SERVICE
+        with vllm_server(cfg, service) as running:
+            running.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+            running.first, running.second = adapted(cfg, seed=1), adapted(cfg, seed=2)
+            yield running
+
+
+def test_vllm_as_a_shared_service_serves_each_point_by_name(
+    shared_server: SimpleNamespace,
+) -> None:
+    check_shared_service(shared_server, shared_server.first, shared_server.second)

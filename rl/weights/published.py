@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rl.rundir import RunDir, is_complete
+from rl.rundir import RunDir, is_complete, shared_point
 
 
 class RefusedWeights(ValueError):
@@ -51,6 +51,23 @@ def published_dir(run_dir: Path | None, version: Any, path: Any = None) -> Path:
             f" published: {published[-5:]})"
         )
     return real
+
+
+def loading_from(run_dir: Path | None, shared: bool, adapter: str | None) -> Path | None:
+    """The run directory whose published weights a load request may name: the server's own,
+    or, for a sweep's shared inference (`run_dir` its service directory), the point whose
+    adapter the request names."""
+    if not shared or run_dir is None:
+        return run_dir
+    if not adapter:
+        raise RefusedWeights(
+            "this is a sweep's shared inference: its base is the same for every point, and a "
+            "load names the point's adapter"
+        )
+    point = shared_point(run_dir, adapter)
+    if point is None:
+        raise RefusedWeights(f"adapter={adapter!r}: no point of this sweep is served by that name")
+    return point
 
 
 def check_finite(name: str, tensor: Any, source: str) -> None:
