@@ -28,7 +28,7 @@ from launcher.processes import (
     spawn,
     stop_children,
 )
-from launcher.report import finish_run, sweep_group
+from launcher.report import finish_run, override, sweep_group
 from launcher.setup import prepare_run_dir
 from launcher.tracking import Follow
 from rl.rundir import RunDir, write_atomic
@@ -164,7 +164,7 @@ def _end(
 
 
 def resume_command(run: RunDir) -> str:
-    return f"to resume at {run.resume_point()}: uv run rl resume={run.root}"
+    return f"to resume at {run.resume_point()}: uv run rl {override('resume', run.root)}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

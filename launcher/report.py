@@ -8,6 +8,8 @@ writes only the run directory (rl/rundir.py), so it imports no launcher module.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,22 @@ def summarize(
         summary["eval/exact_match/last"] = evals[-1]["eval/exact_match"]
         summary["eval/reward/last"] = evals[-1]["eval/reward/mean"]
     return summary
+
+
+PLAIN = re.compile(r"^[\w/.@:+~-]*$")
+SHELL_SAFE_IN_DOUBLE_QUOTES = re.compile(r'^[^"$`\\\'!]*$')
+
+
+def override(key: str, value: Any) -> str:
+    """`key=value` as typed into a shell for `rl`: where the value holds characters Hydra's
+    override grammar would parse (the `=` and `,` of a sweep point's directory), it is quoted
+    for Hydra, and that for the shell."""
+    text = str(value)
+    if PLAIN.match(text):
+        return f"{key}={text}"
+    if SHELL_SAFE_IN_DOUBLE_QUOTES.match(text):
+        return f"\"{key}='{text}'\""
+    return shlex.quote(f"{key}='{text}'")
 
 
 def finish_run(

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.errors import ConfigError
 from launcher.feasible import check_weights
 from launcher.plan import format_plan, plan
+from launcher.report import override
 from rl.config import Action, ClusterKind, RunConfig
 from rl.rundir import CONFIG, TOKEN, RunDir, write_atomic
 
@@ -96,7 +97,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     if read_summary(run).get("status") == "finished" and steps <= trained:
         raise ConfigError(
             f"resume={target}: the run has finished its {trained} steps; to train on, give a "
-            f"larger max_steps (resume={target} max_steps={2 * trained})"
+            f"larger max_steps ({override('resume', target)} max_steps={2 * trained})"
         )
     changed = []
     for key, value in changes.items():
@@ -154,11 +155,11 @@ def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
 
     given = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
     changes = {}
-    for override in OverridesParser.create().parse_overrides(given):
-        key = override.key_or_group
-        if override.is_delete() or override.is_add() or not resumable(key):
+    for requested in OverridesParser.create().parse_overrides(given):
+        key = requested.key_or_group
+        if requested.is_delete() or requested.is_add() or not resumable(key):
             raise ConfigError(
-                f"resume={target}: {override.input_line} cannot change on resume (it would "
+                f"resume={target}: {requested.input_line} cannot change on resume (it would "
                 f"change what the run trains); resume may change {', '.join(RESUMABLE)}, "
                 f"wandb.* and timeouts.*. To train on with other settings, start a new run from "
                 f"its weights: model.path={target}/weights/step_N"

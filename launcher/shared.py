@@ -48,7 +48,7 @@ from launcher.processes import (
     stop_children,
     tail,
 )
-from launcher.report import finish_run, sweep_group
+from launcher.report import finish_run, override, sweep_group
 from launcher.sweep import write_sweep_summary
 from launcher.tracking import Console, Follow, MetricsTail
 from rl.config import ClusterKind, RunConfig
@@ -361,7 +361,8 @@ def submit_shared(points: list[Point], sweep_dir: Path, token: str, first: DictC
         for unit in units:
             shutil.rmtree(unit.run.root, ignore_errors=True)
         raise
-    print(f"sweep status (every point): uv run rl action=status run_dir={sweep_dir}", flush=True)
+    status = override("run_dir", sweep_dir)
+    print(f"sweep status (every point): uv run rl action=status {status}", flush=True)
     return 0
 
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, open_dict
 from launcher.errors import ConfigError
 from launcher.plan import RunPlan, sbatch_parameters
 from launcher.processes import FINISHING_ROLES
-from launcher.report import read_records, read_summary, sweep_group
+from launcher.report import override, read_records, read_summary, sweep_group
 from launcher.setup import prepare_run_dir, running_roles
 from launcher.slurm_cli import (
     JobState,
@@ -164,7 +164,7 @@ def check_ended(run: RunDir) -> None:
     if live:
         raise ConfigError(
             f"resume={run.root}: jobs {', '.join(live)} are still queued or running "
-            f"(rl action=cancel run_dir={run.root} first)"
+            f"(rl action=cancel {override('run_dir', run.root)} first)"
         )
 
 
@@ -217,7 +217,7 @@ def submit_together(runs: list[tuple[DictConfig, RunPlan, RunDir]], partition: s
         for name, job_id in ids.items():
             print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")
         print(f"logs: {run.logs}/ (roles), {run.root / 'slurm'}/<job>/ (each job's supervisor)")
-        print(f"status: uv run rl action=status run_dir={run.root}")
+        print(f"status: uv run rl action=status {override('run_dir', run.root)}")
 
 
 def _newest(records: list[dict]) -> dict | None:
@@ -284,7 +284,7 @@ def format_status(run: RunDir) -> str:
     if reason is not None:
         lines.append(f"  ended: {reason}")
     if state in ("interrupted", "failed", "stopped") and not jobs:
-        lines.append(f"  resume at {run.resume_point()}: uv run rl resume={run.root}")
+        lines.append(f"  resume at {run.resume_point()}: uv run rl {override('resume', run.root)}")
     lines.append(f"  logs: {run.logs}/")
     if jobs:
         lines.append(f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -122,6 +123,29 @@ def test_dry_run_shows_one_service_and_points_without_inference(tmp_path: Path) 
     assert out.stdout.count("python -m rl.orchestrator") == 2
     assert out.stdout.count("shared inference service") == 1
     assert not any(p.is_dir() for p in (tmp_path / "sw").glob("*"))  # a dry run leaves none
+
+
+def hydra_value(command: str, key: str) -> str:
+    """What Hydra reads for `key` from a command line as a shell would split it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = shlex.split(command.split("uv run rl ", 1)[1])
+    parsed = OverridesParser.create().parse_overrides(args)
+    return next(str(o.value()) for o in parsed if o.key_or_group == key)
+
+
+def test_the_printed_resume_command_of_a_sweep_point_parses(tmp_path: Path) -> None:
+    """A sweep point's directory holds `=` and `,` (Hydra's override_dirname): the resume and
+    status commands printed for it must reach Hydra as that one path."""
+    from launcher.local import resume_command
+
+    point = tmp_path / "0-algorithm.lr=0.001,max_steps=3,model.lora.rank=8"
+    point.mkdir()
+    assert hydra_value(resume_command(RunDir(point)), "resume") == str(point)
+    from launcher.report import override
+    status = f"uv run rl action=status {override('run_dir', point)}"
+    assert hydra_value(status, "run_dir") == str(point)
+    assert override("resume", "/plain/path") == "resume=/plain/path"
 
 
 def _published(run: RunDir, version: int, adapter: bool) -> None:
@@ -257,6 +281,8 @@ def test_a_shared_sweep_runs_its_points_together_and_a_failed_point_ends_alone(
             proc.wait()
     assert proc.returncode == 1, output[-4000:]
     assert "point-1" in output and "1 point(s) of the sweep did not finish" in output
+    resume = next(x for x in output.splitlines() if x.startswith("point-1: to resume at"))
+    assert hydra_value(resume, "resume") == str(next(sweep.glob("1-*")))
     assert len(trained) == 2 and max(trained.values()) < steps  # both still had steps to go
     base = sweep / BASE / "weights" / "step_0"
     points = sorted(p for p in sweep.iterdir() if p.name[0].isdigit())
