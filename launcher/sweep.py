@@ -15,7 +15,7 @@ from launcher.report import read_records, read_summary
 from launcher.setup import running_roles
 from launcher.slurm_cli import job_states, read_jobs
 from rl.records import is_eval, is_train
-from rl.rundir import BASE, CONFIG, SERVICE, RunDir
+from rl.rundir import SERVICE, RunDir, point_dirs
 
 COLUMNS = (
     ("status", "status", "{}"),
@@ -29,11 +29,7 @@ COLUMNS = (
 
 def sweep_points(sweep_dir: Path) -> list[RunDir]:
     """The sweep's run directories, in the order Hydra numbered them."""
-    runs = [
-        RunDir(p.parent)
-        for p in sweep_dir.glob(f"*/{CONFIG}")
-        if p.parent.name not in (SERVICE, BASE)  # a shared-inference sweep's service and base
-    ]
+    runs = [RunDir(p) for p in point_dirs(sweep_dir)]
     return sorted(runs, key=lambda run: _number(run.root.name))
 
 

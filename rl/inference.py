@@ -33,7 +33,7 @@ from rl.generation import NO_LIMITS, Limits, StepSink, generate
 from rl.lora import Adapters
 from rl.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
-from rl.rundir import RunDir, point_name, shared_point
+from rl.rundir import RunDir, point_dirs, point_name
 from rl.runtime import (
     listen_socket,
     load_run_config,
@@ -559,13 +559,10 @@ def restored(run_dir: Path, shared: bool) -> list[tuple[str, Path, int]]:
     the newest published version (a LoRA run's adapter after its base, version 0), or for a
     sweep's shared inference each point's newest under the point's name ("": the policy)."""
     if shared:
-        points = [p.parent for p in Path(run_dir).parent.glob("*/config.yaml")]
-        found = [(point_name(p), RunDir(p)) for p in sorted(points)]
-        found = [(name, run) for name, run in found if shared_point(Path(run_dir), name)]
         return [
-            (name, run.weights_for(run.newest_version()), run.newest_version())
-            for name, run in found
-            if run.newest_version() >= 0
+            (point_name(point), RunDir(point).weights_for(newest), newest)
+            for point in point_dirs(Path(run_dir).parent)
+            if (newest := RunDir(point).newest_version()) >= 0
         ]
     run = RunDir(run_dir)
     newest = run.newest_version()

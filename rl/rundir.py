@@ -74,12 +74,16 @@ def shared_service(point: Path) -> Path:
     return point.parent / SERVICE
 
 
+def point_dirs(sweep: Path) -> list[Path]:
+    """The run directories of a sweep's points (a shared-inference sweep's service and base
+    are not points)."""
+    found = (config.parent for config in sweep.glob(f"*/{CONFIG}"))
+    return sorted(p for p in found if p.name not in (SERVICE, BASE))
+
+
 def shared_point(service: Path, name: str) -> Path | None:
     """The run directory of the sweep point served as `name`, or None."""
-    for config in service.parent.glob(f"*/{CONFIG}"):
-        if config.parent.name not in (SERVICE, BASE) and point_name(config.parent) == name:
-            return config.parent
-    return None
+    return next((p for p in point_dirs(service.parent) if point_name(p) == name), None)
 
 
 def mark_complete(folder: Path, sync: bool = False) -> None:

@@ -143,6 +143,7 @@ def test_the_printed_resume_command_of_a_sweep_point_parses(tmp_path: Path) -> N
     point.mkdir()
     assert hydra_value(resume_command(RunDir(point)), "resume") == str(point)
     from launcher.report import override
+
     status = f"uv run rl action=status {override('run_dir', point)}"
     assert hydra_value(status, "run_dir") == str(point)
     assert override("resume", "/plain/path") == "resume=/plain/path"
