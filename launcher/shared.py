@@ -155,9 +155,10 @@ def add_point(cfg: DictConfig) -> None:
     )
 
 
-def forget_points() -> None:
-    """Drop the points kept so far (the sweep is refused): their directories are still empty."""
-    for point in PENDING:
+def forget_points(points: list[Point] | None = None) -> None:
+    """Drop the points kept so far (the sweep is refused, or stopped before they started):
+    their directories are still empty."""
+    for point in PENDING if points is None else points:
         for path in (point.root, point.root.parent):
             try:
                 path.rmdir()
@@ -335,7 +336,7 @@ def run_shared(sweep_dir: Path) -> int:
             else:  # built (or converted) once, with the first point's seed, for every point
                 base = ensure_checkpoint(first.model, seed=first.seed)
         except (KeyboardInterrupt, RunFailed) as err:
-            forget_points_of(points)  # nothing of theirs has started
+            forget_points(points)  # nothing of theirs has started
             if isinstance(err, KeyboardInterrupt):
                 raise SystemExit(130) from None
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -433,11 +434,6 @@ def _end_all(units: list[Unit], status: str) -> None:
         if unit.status == "running":
             end(unit, status)
     stop_children(units[0].children)
-
-
-def forget_points_of(points: list[Point]) -> None:
-    PENDING[:] = points
-    forget_points()
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -36,7 +36,7 @@ from launcher.processes import (
 )
 from launcher.report import finish_run
 from launcher.tracking import Follow
-from rl.rundir import SERVICE, RunDir, shared_service
+from rl.rundir import SERVICE, RunDir, point_dirs, shared_service
 from rl.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
 
 POLL_S = 1.0
@@ -53,9 +53,8 @@ TERM_CHECKPOINT_S = 60.0
 
 def all_points_ended(sweep_dir: Path) -> bool:
     """Whether every point of a shared-inference sweep has finished or failed."""
-    from launcher.sweep import sweep_points
-
-    return all(p.complete.exists() or p.failure.exists() for p in sweep_points(sweep_dir))
+    points = map(RunDir, point_dirs(sweep_dir))
+    return all(p.complete.exists() or p.failure.exists() for p in points)
 
 
 class RunEnded(RuntimeError):
