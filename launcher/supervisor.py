@@ -49,6 +49,10 @@ CANCEL_WAIT_S = 60.0
 # How long the trainer may take to checkpoint after a SIGTERM; Slurm's SIGKILL follows after
 # its KillWait (30 s by default), which ends the wait sooner.
 TERM_CHECKPOINT_S = 60.0
+# Ports a replica spanning nodes is joined on at its head (vLLM's data-parallel RPC or
+# torch.distributed port): one per job and head node, away from the trainer's (20000-39999).
+HEAD_PORT_BASE = 40000
+HEAD_PORT_RANGE = 20000
 
 
 def all_points_ended(sweep_dir: Path) -> bool:
@@ -170,6 +174,16 @@ class NodeSupervisor:
             CHECKPOINT_ON_TERM_ENV: "1",
         }
 
+    def head_values(self, head: int) -> dict[str, str]:
+        """Where the other nodes of a replica spanning nodes find its head: the head node's
+        address, and a port of the job's own (one per head node, so replicas never share)."""
+        nodes = slurm_cli.hostnames(os.environ["SLURM_JOB_NODELIST"])
+        port = HEAD_PORT_BASE + (int(self.job_id) * 64 + head) % HEAD_PORT_RANGE
+        return {
+            "RELAY_HEAD_ADDR": slurm_cli.node_address(nodes[head]),
+            "RELAY_HEAD_PORT": str(port),
+        }
+
     def start(self) -> None:
         if self.job == "trainer":  # a request from before a requeue is answered already
             for marker in (self.rundir.checkpoint_request, self.rundir.checkpointed):
@@ -177,6 +191,8 @@ class NodeSupervisor:
         values = self.environment()
         self.rundir.logs.mkdir(exist_ok=True)
         for proc in self.processes():
+            if proc.get("head") is not None:  # a node of a replica spanning nodes
+                values = {**values, **self.head_values(proc["head"])}
             env = {**os.environ, **proc["env"], **values}
             if planned := proc["env"].get("CUDA_VISIBLE_DEVICES"):  # among the job's own GPUs
                 allocated = os.environ.get("CUDA_VISIBLE_DEVICES")

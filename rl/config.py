@@ -103,9 +103,11 @@ class ModelInferenceConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of each GPU's memory vLLM may claim."""
     pd_disaggregation: bool = False
-    """Run separate prefill and decode replicas that exchange KV caches (large MoE models)."""
-    kv_connector: str = "NixlConnector"
-    """KV transfer connector used between prefill and decode replicas."""
+    """Serve each replica as a prefill and a decode instance that hand over the KV cache, with
+    Relay's router in front (rl/pd_router.py; large MoE models). Needs inference.backend=vllm."""
+    kv_connector: str | None = None
+    """vLLM's KV connector between prefill and decode: None is NixlConnector on GPUs and
+    ExampleConnector (KV through files under the run directory) on CPU."""
     speculative_method: str | None = None
     """Speculative decoding method, e.g. `mtp` for models that ship MTP layers."""
     num_speculative_tokens: int = 0
@@ -588,6 +590,7 @@ def register() -> None:
 ROLE_MODULES = {
     "queue": "rl.rollout_queue",
     "inference": "rl.inference",
+    "router": "rl.pd_router",  # a prefill/decode replica's front (pd_disaggregation)
     "orchestrator": "rl.orchestrator",
     "trainer": "rl.trainer",
 }

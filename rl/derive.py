@@ -33,6 +33,17 @@ def learning_rate(cfg: RunConfig) -> float:
     return float(lr if lr is not None else cfg.model.lr)
 
 
+FILE_KV_CONNECTOR = "ExampleConnector"
+"""vLLM's connector that hands KV over through files, found by prompt (what its CPU build runs)."""
+
+
+def kv_connector(cfg: RunConfig) -> str:
+    """vLLM's KV connector between a prefill/decode replica's instances: as configured, else
+    NIXL on GPUs and the file connector on CPU."""
+    gpus = cfg.cluster.gpus_per_node
+    return cfg.model.inference.kv_connector or ("NixlConnector" if gpus else FILE_KV_CONNECTOR)
+
+
 def broadcast_backend(cfg: RunConfig) -> BroadcastBackend:
     """`inference.broadcast_backend`, or NCCL where the cluster has GPUs and gloo without."""
     if cfg.inference.broadcast_backend is not None:

@@ -616,15 +616,19 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
 def main() -> None:
     args = role_args("inference", extra=True)
     cfg = load_run_config(args.run_dir)
-    name = f"inference-{args.replica}"
-    logger = setup_logging(name)
+    name = f"inference-{args.replica}" + (f"-{args.instance}" if args.instance else "")
+    logger = setup_logging(name if not args.node else f"{name}-node{args.node}")
     start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     if inference_backend(cfg) == Backend.vllm:
         from rl.vllm_backend import serve as serve_vllm
+        from rl.vllm_backend import serve_headless
 
         if not args.rest:
             sys.exit("inference.backend=vllm: no vLLM arguments after '--' (start it from a plan)")
-        serve_vllm(cfg, args.run_dir, name, args.rest, logger)
+        if args.node:
+            serve_headless(cfg, args.run_dir, name, args.node, args.nodes, args.rest, logger)
+        else:
+            serve_vllm(cfg, args.run_dir, name, args.rest, logger, args.nodes)
         return
     serve(cfg, args.run_dir, name, logger)
 

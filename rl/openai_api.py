@@ -56,6 +56,8 @@ class Params:
     model: str = ""
     """The served name asked for ("": the server's model); a LoRA server's adapters each have
     one."""
+    kv_transfer: dict[str, Any] | None = None
+    """vLLM's `kv_transfer_params`: a prefill/decode replica's KV hand-over (rl/pd_router.py)."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Result:
     version: int
     version_max: int
     samples: list[Sample]
+    kv_transfer: dict[str, Any] | None = None
+    """What a prefill instance answers for its decode instance (vLLM's `kv_transfer_params`)."""
 
 
 Deltas = list[tuple[int, list[int]]]
@@ -151,6 +155,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = True
     """Relay's extension (vLLM's name for it): token ids are always returned."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's extension, passed to it: the KV hand-over between a prefill/decode replica's
+    instances, which Relay's router sends (rl/pd_router.py)."""
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         "frequency_penalty": 0.0,
@@ -355,7 +362,15 @@ class Endpoint:
     def params(self, max_tokens: int, top_logprobs: int) -> Params:
         limits = Limits(self.body.top_p, self.stop, top_logprobs)
         body = self.body
-        return Params(body.n, max_tokens, body.temperature, body.seed, limits, body.model or "")
+        return Params(
+            body.n,
+            max_tokens,
+            body.temperature,
+            body.seed,
+            limits,
+            body.model or "",
+            body.kv_transfer_params,
+        )
 
     def choice(self, index: int, prompt: list[int], sample: Sample) -> dict[str, Any]:
         raise NotImplementedError
@@ -365,6 +380,8 @@ class Endpoint:
         choices = [self.choice(k, ids[k // n], s) for k, s in enumerate(result.samples)]
         head = _head(self.kind, self.model, result.version)
         head["policy_version_max"] = result.version_max
+        if result.kv_transfer is not None:
+            head["kv_transfer_params"] = result.kv_transfer
         return {**head, "choices": choices, "usage": usage(ids, result.samples)}
 
     async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:

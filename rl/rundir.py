@@ -98,6 +98,10 @@ def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE).exists()
 
 
+KV_FILES = "kv"
+"""Under a run directory: the KV prefill/decode replicas hand over through files."""
+
+
 def write_atomic(path: Path, text: str, durable: bool = False) -> None:
     """Write `path` through a temporary file renamed into place: readers never see half. With
     `durable`, the file and then its directory are fsynced: the new text survives a crash."""
@@ -289,6 +293,15 @@ class RunDir:
         self.addresses.mkdir(parents=True, exist_ok=True)
         info = {"host": host, "port": port, "pid": os.getpid()}
         write_atomic(self.address_file(name), json.dumps(info))
+
+    def kv_files(self, replica: str) -> Path:
+        """The KV a prefill/decode `replica` hands over through files (the file connector)."""
+        return self.root / KV_FILES / replica
+
+    def replica_nodes(self, instance: str) -> Path:
+        """Where the processes of inference `instance` spanning nodes find each other's
+        starts (rl/vllm_backend.py's SpanningReplica)."""
+        return self.root / "replicas" / instance
 
     @property
     def heartbeats(self) -> Path:

@@ -56,6 +56,10 @@ def role_args(role: str, extra: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m rl.{role}")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--replica", type=int, default=0)
+    if role == "inference":  # a replica's prefill or decode instance; its node of several
+        parser.add_argument("--instance", choices=("prefill", "decode"), default=None)
+        parser.add_argument("--nodes", type=int, default=1)
+        parser.add_argument("--node", type=int, default=0)
     if extra:
         args, rest = parser.parse_known_args()
         args.rest = [a for a in rest if a != "--"]

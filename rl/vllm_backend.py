@@ -45,7 +45,7 @@ from rl.generation import Sample
 from rl.lora import ADAPTER_NAME
 from rl.model import ensure_checkpoint, load_tokenizer
 from rl.openai_api import APIError, Deltas, Params, Result, add_openai_routes
-from rl.rundir import RunDir
+from rl.rundir import RunDir, write_atomic
 from rl.runtime import die_with_parent, listen_socket, server_host, write_address
 from rl.weights.published import RefusedWeights, check_checkpoint, loading_from, published_dir
 from rl.weights.routes import add_routes
@@ -54,15 +54,97 @@ from rl.weights.sync import WeightGroupSpec
 HOST = "127.0.0.1"
 MAX_RESTARTS = 3
 START_TIMEOUT_S = 600.0
+# A node of a replica spanning nodes whose file has not been touched this long is gone.
+NODE_STALE_S = 30.0
 # vLLM serves a LoRA run's own policy adapter as <model name> + this (the base keeps the name).
 POLICY_ADAPTER = "-policy"
 
 
-class VllmProcess:
-    """One vLLM server child in its own process group, restarted when it dies."""
+class SpanningReplica:
+    """How the processes of one replica spanning nodes (a vLLM head and a headless process on
+    each other node) start together and go down together, through the run directory they all
+    see. The head is the authority:
 
-    def __init__(self, python: str, args: list[str], log_path: Path, logger: logging.Logger):
+    - before each start of its vLLM the head writes a new generation (`head`);
+    - each other node starts its headless vLLM only into the newest generation, and starts it
+      again whenever the generation changes (the head's new vLLM waits for them all);
+    - each other node writes `node<N>` (its generation and a token per start of its vLLM) and
+      touches it every second;
+    - the head starts its vLLM again (a new generation) when a node's file goes stale (the
+      node or its process is gone) or shows a new start in the current generation (that
+      node's vLLM died and came back alone, outside the head's data-parallel group).
+    """
+
+    def __init__(self, run_dir: Path, instance: str, nodes: int) -> None:
+        self.dir = RunDir(run_dir).replica_nodes(instance)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.nodes = nodes
+        self.joined: dict[int, str] = {}  # each node's start token when the head was healthy
+
+    def _read(self, name: str) -> str | None:
+        try:
+            return (self.dir / name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def generation(self) -> str | None:
+        return self._read("head")
+
+    def new_generation(self) -> str:
+        generation = f"{os.getpid()}-{time.time_ns()}"
+        write_atomic(self.dir / "head", generation)
+        self.joined = {}
+        return generation
+
+    def started(self, node: int, generation: str) -> None:
+        write_atomic(self.dir / f"node{node}", f"{generation} {os.getpid()}-{time.time_ns()}")
+
+    def beat(self, node: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.dir / f"node{node}")
+
+    def _node(self, node: int) -> tuple[str, str, float] | None:
+        path = self.dir / f"node{node}"
+        try:
+            generation, token = path.read_text().split()
+            return generation, token, path.stat().st_mtime
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def healthy(self) -> None:
+        """The head's vLLM answers: every node has joined this generation; note their starts."""
+        for node in range(1, self.nodes):
+            if (seen := self._node(node)) is not None:
+                self.joined[node] = seen[1]
+
+    def lost(self) -> str | None:
+        """Why the head must start its replica again, or None."""
+        generation = self.generation()
+        for node in range(1, self.nodes):
+            seen = self._node(node)
+            if seen is None or node not in self.joined:
+                continue
+            if time.time() - seen[2] > NODE_STALE_S:
+                return f"node {node} of the replica has been silent for {NODE_STALE_S:.0f} s"
+            if seen[0] == generation and seen[1] != self.joined[node]:
+                return f"node {node} of the replica started its vLLM again"
+        return None
+
+
+class VllmProcess:
+    """One vLLM server child in its own process group, restarted when it dies. `headless`: a
+    secondary node's engines of a replica spanning nodes (`vllm serve --headless`, no HTTP)."""
+
+    def __init__(
+        self,
+        python: str,
+        args: list[str],
+        log_path: Path,
+        logger: logging.Logger,
+        headless: bool = False,
+    ):
         self.python, self.args, self.log_path, self.logger = python, args, log_path, logger
+        self.headless = headless
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
@@ -87,8 +169,11 @@ class VllmProcess:
         # Runtime LoRA loading (/v1/load_lora_adapter) is off unless asked for.
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path,
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # fmt: skip
-        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
-        argv += ["--host", HOST, "--port", str(self.port)]
+        if self.headless:  # `vllm serve --headless`, which vLLM's own server module lacks
+            argv = [self.python, "-m", "rl.vllm_serve", *self.args]
+        else:
+            argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
+            argv += ["--host", HOST, "--port", str(self.port)]
         with open(self.log_path, "ab") as log:
             # Its own process group (vLLM's engine and workers join it), so it can be stopped
             # as a unit; and SIGTERM when this role dies, so a killed role leaves no vLLM behind.
@@ -157,6 +242,7 @@ class VllmFrontend:
         model_name: str,
         logger: logging.Logger,
         shared: bool = False,
+        replica: SpanningReplica | None = None,
     ):
         self.vllm, self.tokenizer, self.model_name, self.logger = (
             vllm,
@@ -165,6 +251,7 @@ class VllmFrontend:
             logger,
         )
         self.shared = shared  # a sweep's shared inference: one base, each point's adapter
+        self.replica = replica  # the other nodes of a replica spanning nodes
         # Sweep points served by the base alone (their version 0) until their first adapter.
         self.base_points: dict[str, int] = {}
         self.version = -1
@@ -241,11 +328,11 @@ class VllmFrontend:
         there; full weights replace the base (and the policy serves the base until its next
         adapter)."""
         name = name or self.model_name
+        await self.ready.wait()  # a restart holds the lock until vLLM is back
         async with self.swap:
             if version < self.held(name):
                 return {"policy_version": self.held(name), "load_s": 0.0}
             await asyncio.to_thread(check_checkpoint, path)
-            await self.ready.wait()
             if lora.is_adapter_dir(path):
                 return await self._load_adapter(path, version, name)
             if self.shared and version == 0 and name != self.model_name:
@@ -296,8 +383,8 @@ class VllmFrontend:
     async def receive_broadcast(self, spec: WeightGroupSpec, member: str, version: int) -> None:
         """Pause, join the group (when new), stream the update into vLLM, drop the prefix
         cache, resume: the filesystem swap's sequence, with the weights from the trainer."""
+        await self.ready.wait()  # a restart holds the lock until vLLM is back
         async with self.swap:
-            await self.ready.wait()
             t0 = time.monotonic()
             async with self._paused():
                 if self.weight_group != spec.group:
@@ -348,41 +435,58 @@ class VllmFrontend:
         while True:
             await asyncio.sleep(1.0)
             if self.vllm.alive() and self.ready.is_set():
-                if await self.vllm.answers(self.http, timeout=max(1.0, hung_s / 4)):
+                lost = self.replica.lost() if self.replica else None
+                if lost:
+                    self.logger.warning("%s: starting the replica again", lost)
+                elif await self.vllm.answers(self.http, timeout=max(1.0, hung_s / 4)):
                     silent_since = None
                     continue
-                silent_since = silent_since or time.monotonic()
-                if time.monotonic() - silent_since < hung_s:
-                    continue
-                self.logger.warning("vLLM has not answered /health for %.0f s", hung_s)
+                else:
+                    silent_since = silent_since or time.monotonic()
+                    if time.monotonic() - silent_since < hung_s:
+                        continue
+                    self.logger.warning("vLLM has not answered /health for %.0f s", hung_s)
             elif self.vllm.alive():
                 continue
             silent_since = None
-            self.ready.clear()
             if self.vllm.restarts >= MAX_RESTARTS:
+                self.ready.clear()
                 self.logger.error("vLLM failed %d times; giving up", self.vllm.restarts + 1)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            self.vllm.restarts += 1
-            self.logger.warning("restarting vLLM (%d of %d)", self.vllm.restarts, MAX_RESTARTS)
-            # Spawned from this (main) thread: the parent-death signal fires when the forking
-            # thread exits. Requests wait on `ready` meanwhile.
-            self.vllm.stop()
-            self.vllm.spawn()
-            try:
-                await asyncio.to_thread(self.vllm.wait_healthy)
-            except (RuntimeError, TimeoutError):  # end the role: the launcher restarts it
-                self.logger.exception("vLLM did not come back")
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            self.weight_group, self.version = None, -1  # a new vLLM: base weights, no group
-            if self.weights is not None or self.adapters:  # back to what it held before
-                async with self.swap:
-                    if self.weights is not None:
-                        await self._swap_weights(*self.weights)
-                    for served, (path, version) in list(self.adapters.items()):
-                        await self._load_adapter(path, version, served)
+            # Under the swap lock: a weight load in flight ends first, and the next one waits
+            # for the new vLLM (loads wait for `ready` before taking the lock).
+            async with self.swap:
+                if not await self._restart():
+                    return
             self.ready.set()
+
+    async def _restart(self) -> bool:
+        """Start vLLM again on the weights it last held; False (and the role ending, for the
+        launcher to restart) if it does not come back."""
+        self.ready.clear()
+        self.vllm.restarts += 1
+        self.logger.warning("restarting vLLM (%d of %d)", self.vllm.restarts, MAX_RESTARTS)
+        # Spawned from this (main) thread: the parent-death signal fires when the forking
+        # thread exits. Requests wait on `ready` meanwhile.
+        self.vllm.stop()
+        if self.replica:  # the other nodes start theirs again into the new generation
+            self.replica.new_generation()
+        self.vllm.spawn()
+        try:
+            await asyncio.to_thread(self.vllm.wait_healthy)
+        except (RuntimeError, TimeoutError):  # end the role: the launcher restarts it
+            self.logger.exception("vLLM did not come back")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return False
+        if self.replica:
+            self.replica.healthy()
+        self.weight_group, self.version = None, -1  # a new vLLM: base weights, no group
+        if self.weights is not None:  # back to what it held before
+            await self._swap_weights(*self.weights)
+        for served, (path, version) in list(self.adapters.items()):
+            await self._load_adapter(path, version, served)
+        return True
 
 
 class VllmBackend:
@@ -401,7 +505,9 @@ class VllmBackend:
 
     def body(self, prompts: list[list[int]], params: Params) -> dict[str, Any]:
         limits = params.limits
+        handover = {} if params.kv_transfer is None else {"kv_transfer_params": params.kv_transfer}
         return {
+            **handover,
             "model": self.front.vllm_model(params.model),
             "prompt": prompts,
             "n": params.n,
@@ -419,7 +525,8 @@ class VllmBackend:
         result = await self.front.complete(self.body(prompts, params), params.model)
         top = params.limits.top_logprobs
         samples = [_sample(c, top) for c in sorted(result["choices"], key=lambda c: c["index"])]
-        return Result(result["policy_version"], result["policy_version_max"], samples)
+        versions = result["policy_version"], result["policy_version_max"]
+        return Result(*versions, samples, result.get("kv_transfer_params"))
 
     async def stream(
         self, prompts: list[list[int]], params: Params
@@ -522,23 +629,73 @@ def build_app(
     return app
 
 
-def serve(
-    cfg: RunConfig, run_dir: Path, name: str, vllm_args: list[str], logger: logging.Logger
-) -> None:
-    """Start vLLM with the plan's arguments and serve Relay's routes in front of it."""
-    import uvicorn
-
+def _served_args(cfg: RunConfig, vllm_args: list[str]) -> tuple[Path, list[str]]:
+    """The model's checkpoint here, and the plan's vLLM arguments serving it."""
     checkpoint = ensure_checkpoint(cfg.model, seed=cfg.seed)
     args = list(vllm_args)
     if cfg.model.source == "random" and "--model" in args:
         args[args.index("--model") + 1] = str(checkpoint)  # the locally built model
+    return checkpoint, args
+
+
+def serve_headless(
+    cfg: RunConfig, run_dir: Path, instance: str, node: int, nodes: int, vllm_args: list[str],
+    logger: logging.Logger,
+) -> None:  # fmt: skip
+    """Node `node` of a replica spanning nodes: its share of the replica's engines, with no
+    HTTP of its own, started into each generation of the head (SpanningReplica); ends the
+    role after `MAX_RESTARTS` deaths of its own, for the launcher to restart."""
+    _, args = _served_args(cfg, vllm_args)
+    python = cfg.inference.vllm_python or sys.executable
+    RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
+    log = RunDir(run_dir).log(f"{instance}-node{node}-vllm")
+    vllm = VllmProcess(python, args, log, logger, headless=True)
+    replica = SpanningReplica(run_dir, instance, nodes)
+    deaths = 0
+    while True:
+        while (generation := replica.generation()) is None:
+            time.sleep(1.0)  # the head has not started yet
+        vllm.spawn()
+        replica.started(node, generation)
+        logger.info("node %d joined generation %s of %s", node, generation, instance)
+        while vllm.alive() and replica.generation() == generation:
+            replica.beat(node)
+            time.sleep(1.0)
+        if not vllm.alive():
+            deaths += 1
+            logger.warning("vLLM on node %d exited with %s", node, vllm.proc and vllm.proc.poll())
+            if deaths > MAX_RESTARTS:
+                sys.exit(f"vLLM on node {node} of {instance} failed {deaths} times; see {log}")
+        else:
+            logger.info("the head of %s started again: joining its new generation", instance)
+        vllm.stop()
+
+
+def serve(
+    cfg: RunConfig,
+    run_dir: Path,
+    name: str,
+    vllm_args: list[str],
+    logger: logging.Logger,
+    nodes: int = 1,
+) -> None:
+    """Start vLLM with the plan's arguments and serve Relay's routes in front of it; the head
+    of a replica spanning `nodes` watches the others (SpanningReplica)."""
+    import uvicorn
+
+    checkpoint, args = _served_args(cfg, vllm_args)
     python = cfg.inference.vllm_python or sys.executable
     logs = RunDir(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     vllm = VllmProcess(python, args, RunDir(run_dir).log(f"{name}-vllm"), logger)
+    replica = SpanningReplica(run_dir, name, nodes) if nodes > 1 else None
+    if replica:
+        replica.new_generation()
     vllm.start()
+    if replica:
+        replica.healthy()
     front = VllmFrontend(
-        vllm, load_tokenizer(checkpoint), cfg.model.name, logger, cfg.inference.shared
+        vllm, load_tokenizer(checkpoint), cfg.model.name, logger, cfg.inference.shared, replica
     )
     front.ready.set()
     from rl.runtime import run_token

@@ -68,7 +68,15 @@ def test_ep8_sizes_nodes_from_memory(model: str) -> None:
 def test_glm5_plan_serves_fp8_disaggregated_with_mtp() -> None:
     p = plan(compose_run("model=glm5", "parallel=ep8", "cluster=slurm"))
     names = [proc.name for proc in p.role("inference")]
-    assert names == ["inference-0-prefill", "inference-0-decode"]
+    # 744 GB of FP8 weights need two 8 x 80 GB nodes at 80% for weights: each instance is a
+    # head and a headless process on the next node.
+    assert names == [
+        "inference-0-prefill",
+        "inference-0-prefill-node1",
+        "inference-0-decode",
+        "inference-0-decode-node1",
+    ]
+    assert [proc.name for proc in p.role("router")] == ["inference-0"]
     argv = p.role("inference")[0].argv
     args = argv[argv.index("--") + 1 :]
     assert args[args.index("--quantization") + 1] == "fp8"
@@ -76,8 +84,6 @@ def test_glm5_plan_serves_fp8_disaggregated_with_mtp() -> None:
         "method": "mtp",
         "num_speculative_tokens": 3,
     }
-    # 744 GB of FP8 weights need two 8 x 80 GB nodes at 80% for weights.
-    assert p.role("inference")[0].nodes == 2
     assert args[args.index("--data-parallel-size") + 1] == "16"
 
 
@@ -205,9 +211,16 @@ def test_exact_vllm_args_glm5() -> None:
         "--trust-remote-code", "--kv-transfer-config",
     ]  # fmt: skip
     kv = '{"kv_connector":"NixlConnector","kv_role":"%s"}'
+    head = [
+        "--data-parallel-address", "${RELAY_HEAD_ADDR}",
+        "--data-parallel-rpc-port", "${RELAY_HEAD_PORT}",
+    ]  # fmt: skip
+    secondary = [*head, "--headless", "--data-parallel-start-rank", "8"]
     assert served_args("glm5", "ep8") == {
-        "inference-0-prefill": [*common, kv % "kv_producer"],
-        "inference-0-decode": [*common, kv % "kv_consumer"],
+        "inference-0-prefill": [*common, kv % "kv_producer", *head],
+        "inference-0-prefill-node1": [*common, kv % "kv_producer", *secondary],
+        "inference-0-decode": [*common, kv % "kv_consumer", *head],
+        "inference-0-decode-node1": [*common, kv % "kv_consumer", *secondary],
     }
 
 
@@ -408,10 +421,128 @@ def test_replicas_needing_part_of_a_node_are_packed_and_bound_to_their_gpus() ->
     assert "CUDA_VISIBLE_DEVICES=7 python -m rl.inference" in printed
 
 
-def test_replicas_spanning_nodes_still_take_whole_nodes() -> None:
+def test_a_replica_spanning_nodes_starts_on_every_node_of_its_share() -> None:
+    """glm5's two-node replicas used to start on their first node only (744 GB on 640)."""
     cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", "dry_run=true")
-    placed = [(p.name, p.node, p.nodes, p.gpus_per_node) for p in plan(cfg).role("inference")]
-    assert placed == [("inference-0-prefill", 0, 2, 8), ("inference-0-decode", 2, 2, 8)]
+    planned = plan(cfg)
+    placed = [
+        (p.name, p.node, p.head, p.env["CUDA_VISIBLE_DEVICES"]) for p in planned.role("inference")
+    ]
+    every = "0,1,2,3,4,5,6,7"
+    assert placed == [
+        ("inference-0-prefill", 0, 0, every),
+        ("inference-0-prefill-node1", 1, 0, every),
+        ("inference-0-decode", 2, 2, every),
+        ("inference-0-decode-node1", 3, 2, every),
+    ]
+    assert next(j for j in planned.jobs if j.name == "inference").nodes == 4
+    for proc in planned.role("inference"):
+        role_args = proc.argv[: proc.argv.index("--")]
+        assert role_args[role_args.index("--nodes") + 1] == "2"
+        assert ("--node" in role_args) == proc.name.endswith("-node1")
+    router = planned.role("router")[0]
+    assert (router.name, router.node, router.argv[2]) == ("inference-0", 0, "rl.pd_router")
+    trainer = planned.role("trainer")[0]
+    assert trainer.env["CUDA_VISIBLE_DEVICES"] == every
+
+
+def test_the_dry_run_shows_both_nodes_of_prefill_and_decode_and_the_router() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "model=glm5", "parallel=ep8", "cluster=slurm",
+         "cluster.partition=gpu", "dry_run=true"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("inf")}
+    for part in ("prefill", "decode"):
+        head, secondary = rows[f"inference-0-{part}"], rows[f"inference-0-{part}-node1"]
+        assert f"--instance {part}" in head and "--headless" not in head
+        assert "--data-parallel-address ${RELAY_HEAD_ADDR}" in head
+        assert "--headless --data-parallel-start-rank 8" in secondary
+    assert "python -m rl.pd_router" in rows["inference-0"]
+    assert "note: ${RELAY_HEAD_ADDR} and ${RELAY_HEAD_PORT}" in out.stdout
+
+
+def test_a_dense_replica_spanning_gpu_nodes_is_one_multi_node_executor() -> None:
+    p = slurm_plan("parallel=tp", "parallel.inference.nodes_per_replica=2")
+    args = {q.name: q.argv[q.argv.index("--") + 1 :] for q in p.role("inference")}
+    head, secondary = args["inference-0"], args["inference-0-node1"]
+    assert head[head.index("--pipeline-parallel-size") + 1] == "2"
+    spanning = ["--nnodes", "2", "--master-addr", "${RELAY_HEAD_ADDR}"]
+    assert all(flag in head and flag in secondary for flag in spanning)
+    assert (head[head.index("--node-rank") + 1], secondary[secondary.index("--node-rank") + 1]) == (
+        "0",
+        "1",
+    )
+    assert "--headless" in secondary and "--headless" not in head
+
+
+def test_a_cpu_replica_spanning_nodes_is_one_data_parallel_engine_per_node() -> None:
+    """vLLM's CPU runner fails pipeline parallelism: CPU nodes split by data parallelism."""
+    cfg = compose_run(
+        "cluster=slurm_cpu", "inference.backend=vllm", "parallel.inference.nodes_per_replica=2"
+    )
+    args = {q.name: q.argv[q.argv.index("--") + 1 :] for q in plan(cfg).role("inference")}
+    head, secondary = args["inference-0"], args["inference-0-node1"]
+    assert head[head.index("--data-parallel-size") + 1] == "2"
+    assert head[head.index("--data-parallel-size-local") + 1] == "1"
+    assert secondary[-3:] == ["--headless", "--data-parallel-start-rank", "1"]
+    assert "--pipeline-parallel-size" not in head
+
+
+def test_a_cpu_prefill_decode_replica_hands_kv_over_through_files() -> None:
+    cfg = compose_run("inference.backend=vllm", "model.inference.pd_disaggregation=true")
+    p = plan(cfg)
+    assert [q.name for q in p.role("inference")] == ["inference-0-prefill", "inference-0-decode"]
+    assert [q.name for q in p.role("router")] == ["inference-0"]
+    for proc, role in zip(p.role("inference"), ("kv_producer", "kv_consumer"), strict=True):
+        args = proc.argv[proc.argv.index("--") + 1 :]
+        assert json.loads(args[args.index("--kv-transfer-config") + 1]) == {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": "${RELAY_RUN_DIR}/kv/inference-0"},
+        }
+        assert args[args.index("--block-size") + 1] == "32"
+    nixl = plan(compose_run("model=glm5", "parallel=ep8", "cluster=slurm"))
+    args = nixl.role("inference")[0].argv
+    assert '"kv_connector":"NixlConnector"' in args[args.index("--kv-transfer-config") + 1]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model.inference.pd_disaggregation=true",
+            "model.inference.pd_disaggregation=true: prefill and decode instances are vLLM",
+        ),
+        (
+            "parallel.inference.nodes_per_replica=2",
+            "parallel.inference.nodes_per_replica=2: a replica spanning nodes is a vLLM head",
+        ),
+    ],
+)
+def test_what_only_vllm_serves_is_refused_for_the_embedded_engine(
+    override: str, message: str
+) -> None:
+    with pytest.raises(PlanError) as err:
+        plan(compose_run("cluster=slurm_cpu", override))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_every_node_of_a_replica_finds_the_same_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher import slurm_cli
+    from launcher.supervisor import NodeSupervisor
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[3-6]")
+    monkeypatch.setattr(slurm_cli, "hostnames", lambda _: [f"node{i}" for i in range(3, 7)])
+    monkeypatch.setattr(slurm_cli, "node_address", lambda node: f"10.0.0.{node[4:]}")
+    supervisor = NodeSupervisor.__new__(NodeSupervisor)
+    supervisor.job_id = "1234"
+    first, second = supervisor.head_values(0), supervisor.head_values(2)
+    assert (first["RELAY_HEAD_ADDR"], second["RELAY_HEAD_ADDR"]) == ("10.0.0.3", "10.0.0.5")
+    assert first["RELAY_HEAD_PORT"] != second["RELAY_HEAD_PORT"]
+    supervisor.job_id = "1235"
+    assert supervisor.head_values(0)["RELAY_HEAD_PORT"] != first["RELAY_HEAD_PORT"]
 
 
 def test_each_node_supervisor_starts_the_processes_placed_on_it() -> None:
