@@ -200,7 +200,10 @@ class NodeSupervisor:
             name = proc["name"] if self.job != "trainer" else f"trainer-node{self.node}"
             argv = expand(proc["argv"], values)
             self.children.append(spawn(name, proc["role"], argv, env, self.rundir.log(name)))
-            self.log.info("started %s on %s: %s", name, values["RELAY_HOST"], " ".join(argv))
+            node = os.environ.get("SLURMD_NODENAME", "?")
+            self.log.info(
+                "started %s on %s (%s): %s", name, node, values["RELAY_HOST"], " ".join(argv)
+            )
 
     # --- watch -----------------------------------------------------------------------------
 

@@ -327,7 +327,18 @@ class VllmFrontend:
         loaded into vLLM at runtime under `name` ("": the run's policy), replacing the one
         there; full weights replace the base (and the policy serves the base until its next
         adapter)."""
-        name = name or self.model_name
+        for attempt in range(MAX_RESTARTS + 1):
+            try:
+                return await self._load_weights(path, version, name or self.model_name)
+            except httpx.HTTPError:
+                # vLLM was stopped under the load for a restart: load again into the new one
+                # (which first gets back what it held). Any other failure is the load's own.
+                if self.ready.is_set() or attempt == MAX_RESTARTS:
+                    raise
+                self.logger.warning("vLLM restarted during the load of version %d", version)
+        raise AssertionError("unreachable")
+
+    async def _load_weights(self, path: Path, version: int, name: str) -> dict[str, Any]:
         await self.ready.wait()  # a restart holds the lock until vLLM is back
         async with self.swap:
             if version < self.held(name):
@@ -454,8 +465,11 @@ class VllmFrontend:
                 self.logger.error("vLLM failed %d times; giving up", self.vllm.restarts + 1)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            # Under the swap lock: a weight load in flight ends first, and the next one waits
-            # for the new vLLM (loads wait for `ready` before taking the lock).
+            # vLLM stops first: a call in flight on it (a load whose pause waits for a lost
+            # node's engines) fails now instead of holding the swap lock. Under the lock, the
+            # next load waits for the new vLLM (loads wait for `ready` before taking it).
+            self.ready.clear()
+            self.vllm.stop()
             async with self.swap:
                 if not await self._restart():
                     return

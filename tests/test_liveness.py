@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,3 +179,132 @@ def test_waiting_for_weights_that_never_come_ends_naming_them(
     if transport == "broadcast":  # what has come is returned at once
         (run_dir.weights / "BROADCAST").write_text("4")
         assert waiter.wait(minimum=4, held=3) == 4
+
+
+class StubVllm:
+    """A vLLM child for the vLLM front's restart: dies when told, comes back when let."""
+
+    url = "http://vllm.stub"
+
+    def __init__(self) -> None:
+        self.up, self.restarts = True, 0
+        self.let_up = threading.Event()
+
+    def alive(self) -> bool:
+        return self.up
+
+    async def answers(self, http: Any, timeout: float) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self.up = False
+
+    def spawn(self) -> None:
+        self.up = True
+
+    def wait_healthy(self) -> None:
+        assert self.let_up.wait(timeout=60)
+
+
+def test_a_weight_load_during_a_vllm_restart_waits_for_the_new_vllm(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A load arriving while the front restarts vLLM used to take the swap lock and wait for the
+    restart, while the restart waited for the lock to load the old weights back: both hung."""
+    import asyncio
+    import logging
+
+    import httpx
+
+    from rl import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "check_checkpoint", lambda path: None)
+    rpcs: list[str] = []
+
+    def vllm_routes(request: httpx.Request) -> httpx.Response:
+        rpcs.append(request.url.path)
+        return httpx.Response(200, json={"results": []})
+
+    vllm = StubVllm()
+    front = vllm_backend.VllmFrontend(vllm, None, "tiny", logging.getLogger("test"))  # type: ignore[arg-type]
+    front.http = httpx.AsyncClient(transport=httpx.MockTransport(vllm_routes))
+    front.weights, front.version = (tmp_path / "step_0", 0), 0
+    front.ready.set()
+
+    async def scenario() -> dict[str, Any]:
+        watch = asyncio.create_task(front.watch(hung_s=60))
+        vllm.up = False  # vLLM dies
+        while front.ready.is_set():  # the watch has begun restarting it
+            await asyncio.sleep(0.05)
+        load = asyncio.create_task(front.load_weights(tmp_path / "step_1", 1))
+        await asyncio.sleep(0.5)  # the load is waiting
+        vllm.let_up.set()
+        try:
+            return await asyncio.wait_for(load, timeout=60)
+        finally:
+            watch.cancel()
+
+    assert asyncio.run(scenario())["policy_version"] == 1
+    assert front.weights == (tmp_path / "step_1", 1)
+    # The restart put the old weights back first, then the load swapped in the new ones.
+    assert rpcs.count("/collective_rpc") == 2
+
+
+def test_a_lost_node_restarts_its_replica_even_under_a_hung_load(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A replica spanning nodes that loses a node: vLLM's pause then waits for the lost
+    engines. The head's restart used to wait for that load (which held the swap lock) until the
+    request timed out, ten minutes in CI; it stops vLLM first, and the load goes to the new one."""
+    import asyncio
+    import logging
+
+    import httpx
+
+    from rl import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "check_checkpoint", lambda path: None)
+    vllm = StubVllm()
+    vllm.let_up.set()
+    paused = threading.Event()
+
+    async def vllm_routes(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/pause" and not paused.is_set():
+            paused.set()
+            while vllm.up:  # the pause waits for the lost node's engines until vLLM stops
+                await asyncio.sleep(0.05)
+            raise httpx.ConnectError("vLLM stopped")
+        return httpx.Response(200, json={"results": []})
+
+    class Replica:
+        reason: str | None = None
+
+        def lost(self) -> str | None:
+            return self.reason
+
+        def new_generation(self) -> None:
+            self.reason = None
+
+        def healthy(self) -> None:
+            pass
+
+    replica = Replica()
+    front = vllm_backend.VllmFrontend(
+        vllm, None, "tiny", logging.getLogger("test"), replica=replica
+    )  # type: ignore[arg-type]
+    front.http = httpx.AsyncClient(transport=httpx.MockTransport(vllm_routes))
+    front.ready.set()
+
+    async def scenario() -> dict[str, Any]:
+        watch = asyncio.create_task(front.watch(hung_s=60))
+        load = asyncio.create_task(front.load_weights(tmp_path / "step_1", 1))
+        while not paused.is_set():
+            await asyncio.sleep(0.05)
+        replica.reason = "node 1 of the replica has been silent"
+        try:
+            return await asyncio.wait_for(load, timeout=60)
+        finally:
+            watch.cancel()
+
+    assert asyncio.run(scenario())["policy_version"] == 1
+    assert vllm.restarts == 1 and front.weights == (tmp_path / "step_1", 1)

