@@ -280,7 +280,8 @@ def test_the_vllm_front_refuses_what_the_embedded_engine_refuses(tmp_path: Path)
     for version, value in ((1, 1.0), (2, float("nan")), (3, 1.0)):
         fake_step(run.weights_for(version), {"w": torch.full((2,), value)})
     front = CheckedFront()
-    front.load_weights = VllmFrontend.load_weights.__get__(front)  # the real method
+    front.load_weights = VllmFrontend.load_weights.__get__(front)  # the real methods
+    front._load_weights = VllmFrontend._load_weights.__get__(front)
     client = TestClient(build_app(front, TOKEN, tmp_path), headers=auth_headers(TOKEN))
     for body, status in [
         ({"version": 1, "path": str(run.weights_for(1))}, 200),

@@ -7,6 +7,7 @@ for the module (two vLLM servers, about a minute and a half here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -42,16 +43,23 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
         yield config
 
 
-@pytest.fixture(scope="module")
-def replica(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+@contextlib.contextmanager
+def pd_replica(
+    cfg: DictConfig, run_dir: Path, devices: tuple[str, str] | None = None
+) -> Iterator[SimpleNamespace]:
+    """A prefill and a decode instance (on GPUs `devices`, when given) and the router, as the
+    plan starts them, with a client for each; ended by their process groups."""
+    write_run_dir(run_dir, cfg, TOKEN)
     values = {"RELAY_RUN_DIR": str(run_dir)}
     procs = []
     try:
-        for part, kv_role in PD_INSTANCES.items():
+        for k, (part, kv_role) in enumerate(PD_INSTANCES.items()):
             args = expand(vllm_args(cfg, 1, kv_role, f"inference-0-{part}"), values)
             role = ("--replica", "0", "--instance", part, "--", *args)
-            procs.append(start_role("inference", run_dir, *role))
+            with pytest.MonkeyPatch.context() as mp:
+                if devices:
+                    mp.setenv("CUDA_VISIBLE_DEVICES", devices[k])
+                procs.append(start_role("inference", run_dir, *role))
         procs.append(start_role("router", run_dir, "--replica", "0"))
         urls = {}
         for name in ("inference-0-prefill", "inference-0-decode", "inference-0"):
@@ -73,6 +81,12 @@ def replica(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         for proc in procs:
             stop_role(proc)
+
+
+@pytest.fixture(scope="module")
+def replica(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with pd_replica(cfg, tmp_path_factory.mktemp("run")) as running:
+        yield running
 
 
 def injected(replica: SimpleNamespace) -> list[int]:

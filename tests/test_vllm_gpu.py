@@ -109,3 +109,24 @@ def test_fp8_server_serves_and_takes_broadcast_weights(tmp_path: Path) -> None:
         # the float32 engine's.
         agree = sum(a[:3] == e[:3] for a, e in zip(after, expected, strict=True))
         assert agree >= len(expected) - 1, (after, expected)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="prefill and decode need a GPU each")
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL needs the nixl package")
+def test_a_nixl_prefill_decode_pair_answers_as_one_server(tmp_path: Path) -> None:
+    """The GPU default connector: prefill on GPU 0, decode on GPU 1, behind Relay's router."""
+    from tests.test_pd_router import greedy as pd_greedy
+    from tests.test_pd_router import long_prompts, pd_replica, same_choices
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAY_CACHE", str(tmp_path / "cache"))
+        cfg = compose_run(
+            "inference.backend=vllm",
+            f"inference.vllm_python={VLLM_PYTHON}",
+            "cluster.gpus_per_node=2",
+            "model.inference.pd_disaggregation=true",
+            "model.inference.gpu_memory_utilization=0.3",
+        )
+        with pd_replica(cfg, tmp_path / "run", devices=("0", "1")) as replica:
+            direct = pd_greedy(replica.prefill, long_prompts())
+            same_choices(pd_greedy(replica.router, long_prompts()), direct)
