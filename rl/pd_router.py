@@ -129,12 +129,17 @@ class Router:
         self.headers = auth_headers(token)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
         self.gate = Gate()
+        self.urls: dict[str, str] = {}
 
     def url(self, part: str) -> str:
-        url = read_address(self.run_dir, self.names[part])
-        if url is None:
-            raise RouteError(503, {"error": f"{self.names[part]} has not started"})
-        return url
+        """An instance's address, read from the run directory once and again after it was
+        unreachable (a restarted instance writes its new one)."""
+        if part not in self.urls:
+            url = read_address(self.run_dir, self.names[part])
+            if url is None:
+                raise RouteError(503, {"error": f"{self.names[part]} has not started"})
+            self.urls[part] = url
+        return self.urls[part]
 
     async def send(self, part: str, method: str, route: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -142,6 +147,7 @@ class Router:
                 method, f"{self.url(part)}{route}", headers=self.headers, **kwargs
             )
         except httpx.TransportError as err:
+            self.urls.pop(part, None)
             raise RouteError(503, {"error": f"{self.names[part]} unreachable: {err!r}"}) from err
 
     async def call(self, part: str, method: str, route: str, **kwargs: Any) -> Any:

