@@ -463,6 +463,9 @@ class TrainerConfig:
     packing: bool = True
     """Pack a micro-batch's samples into rows as long as its longest sample, with attention
     kept inside each sample (rl/packing.py); False pads one sample per row."""
+    share_prompts: bool = True
+    """With packing (and no CP): samples of a micro-batch with the same prompt (a group) share
+    one copy of it in their row, so it is computed once instead of once per sample."""
     device: TrainerDevice = TrainerDevice.auto
     """Where each rank computes: `auto` (its GPU when the cluster has GPUs and torch sees them,
     else the CPU), `cuda` or `cpu` (gloo collectives)."""

@@ -307,14 +307,19 @@ class Trainer:
             "inference_logprobs": inference_logp,
             "advantages": torch.tensor([float(s.advantage) for s in part]),
         }
-        return {**{key: t.to(self.device) for key, t in tensors.items()}, "sequences": sequences}
+        return {
+            **{key: t.to(self.device) for key, t in tensors.items()},
+            "sequences": sequences,
+            "prompt_lens": [len(s.prompt_ids) for s in part],
+        }
 
     def logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token log-probabilities and entropies of a micro-batch, packed or padded."""
         if self.cp is not None and model is self.model:
             return packed_logprobs(model, mb["sequences"], self.cp, self.cfg.trainer.packing)
         if self.cfg.trainer.packing:
-            return packed_logprobs(model, mb["sequences"])
+            shared = mb["prompt_lens"] if self.cfg.trainer.share_prompts else None
+            return packed_logprobs(model, mb["sequences"], prompt_lens=shared)
         return token_logprobs(model, mb["ids"], mb["attention"])
 
     def passes(self, mine: int) -> int:

@@ -45,3 +45,43 @@ def test_gradients_flow_through_packed_rows() -> None:
     logp, _ = packed_logprobs(model, [[1, 5, 6, 7], [1, 8, 9]])
     logp.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_shared_prompts_give_each_sample_what_it_gets_alone() -> None:
+    # Groups as GRPO makes them: one prompt, several completions of their own lengths (one
+    # empty). Each sample's log-probabilities, entropies and gradients must equal its own
+    # unpacked row's, while the prompt is computed once per group.
+    cfg = compose_run("model.dtype=float32")
+    gen = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(4, 40, (n,), generator=gen).tolist()  # noqa: E731
+    sequences, prompt_lens = [], []
+    for prompt_len, tails in ((7, (3, 5, 1, 0)), (4, (6, 2)), (9, (4,))):
+        prompt = [1, *draw(prompt_len - 1)]
+        for n in tails:
+            sequences.append(prompt + draw(n))
+            prompt_lens.append(prompt_len)
+    ids, attention, completion = pad_batch(sequences, prompt_lens, pad_id=0)
+    weights = torch.randn(ids.shape, generator=gen)
+
+    def run(shared: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]:
+        model = load_model(ensure_checkpoint(cfg.model, seed=0))
+        computed = []
+        embed = model.get_input_embeddings()
+        embed.register_forward_hook(lambda m, i, o: computed.append(i[0].numel()))
+        if shared:
+            logp, entropy = packed_logprobs(model, sequences, prompt_lens=prompt_lens)
+        else:
+            logp, entropy = token_logprobs(model, ids, attention)
+        (logp * weights * attention).sum().backward()
+        return logp, entropy, [p.grad for p in model.parameters()], computed[0]
+
+    logp, entropy, grads, positions = run(shared=True)
+    want_logp, want_entropy, want_grads, padded_positions = run(shared=False)
+    real = attention.bool()
+    torch.testing.assert_close(logp[real], want_logp[real], rtol=0, atol=1e-4)
+    torch.testing.assert_close(entropy[real], want_entropy[real], rtol=0, atol=1e-4)
+    assert (logp[~real] == 0).all()
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # rows of 16 (the longest group), one group each: 48 positions for 66 tokens
+    assert positions < sum(len(s) for s in sequences) < padded_positions
