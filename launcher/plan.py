@@ -116,6 +116,15 @@ class Job:
     exclusive: bool = False
 
 
+# glibc's malloc returns every large block to the kernel when it is freed and maps it afresh on
+# the next allocation: each forward and backward then pays page faults on all its activations
+# (about 10% of a CPU trainer step, measured). Keep freed memory in the heap instead.
+CPU_ALLOCATOR = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
+
+
 def sbatch_parameters(job: Job, run_name: str, cfg: DictConfig) -> dict[str, Any]:
     """submitit's SlurmExecutor parameters for one job (one supervisor task per node)."""
     params: dict[str, Any] = {
@@ -784,7 +793,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     threads = cfg.cluster.omp_threads or (
         cfg.cluster.cpus_per_node if whole else cfg.cluster.cpus_per_node // 2
     )
-    cpu_threads = {"OMP_NUM_THREADS": str(max(1, threads))}
+    cpu_threads = {"OMP_NUM_THREADS": str(max(1, threads)), **CPU_ALLOCATOR}
     instances = list(PD_INSTANCES) if _disaggregated(cfg) else [None]
     # A replica spanning nodes takes every GPU of each; instances needing part of a node are
     # packed onto Slurm nodes and each bound to its own GPUs of that node.

@@ -77,23 +77,29 @@ def _sample(
     temperature: torch.Tensor,
     groups: dict[int, tuple[Any, list[int]]],
     top_p: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next tokens and their logprobs under the temperature-scaled softmax (plain at 0), and
     that distribution itself.
 
     Sampling is Gumbel-max with uniform noise drawn per generator group: each group draws the
     same amount of noise every step, so a seeded request's tokens do not depend on which other
-    requests share its batch. Rows with top_p < 1 draw only from their nucleus.
+    requests share its batch. Rows with top_p < 1 draw only from their nucleus. `live` maps the
+    rows of `logits` to the rows the groups name, when finished rows have left the batch (the
+    noise is still drawn for every row).
     """
     import torch
 
     greedy = temperature == 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-    noise = torch.empty_like(logp)
+    total = sum(len(rows) for _, rows in groups.values())
+    noise = torch.empty((total, logp.shape[1]), device=logp.device)
     for generator, rows in groups.values():
         shape = (len(rows), logp.shape[1])
         noise[rows] = torch.rand(shape, generator=generator, device=logp.device)
+    if live is not None:
+        noise = noise[live]
     gumbel = -torch.log(-torch.log(noise.clamp_min(torch.finfo(noise.dtype).tiny)))
     drawn_from = logp if top_p is None else _nucleus(logp, top_p)
     tokens = torch.where(greedy, logp.argmax(-1), (drawn_from + gumbel).argmax(-1))
@@ -152,10 +158,13 @@ def generate(
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    # The rows still decoding (all of them after the prompt pass): finished rows leave the
+    # batch, so a batch whose completions end at different lengths stops paying for the done.
+    live = torch.arange(rows, device=device)
     with torch.inference_mode():
         while not bool(done.all()):
             if steps_ids:  # after the prompt pass, feed back only the newest tokens
-                ids, positions = steps_ids[-1][:, None], positions[:, -1:] + 1
+                ids, positions = steps_ids[-1][live][:, None], positions[:, -1:] + 1
                 mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
             out = model(
                 input_ids=ids,
@@ -171,7 +180,17 @@ def generate(
                 logits, mask, positions = logits[source], mask[source], positions[source]
             if not steps_ids and route is not None:
                 route(names)
-            tokens, logp, dist = _sample(logits, temps, groups, top_p)
+            everyone = len(live) == rows
+            sampled, sampled_logp, dist = _sample(
+                logits,
+                temps[live],
+                groups,
+                None if top_p is None else top_p[live],
+                None if everyone else live,
+            )
+            tokens = torch.full((rows,), pad_id, dtype=torch.long, device=device)
+            logp = torch.zeros(rows, device=device)
+            tokens[live], logp[live] = sampled, sampled_logp
             tokens = torch.where(done, pad_id, tokens)
             steps_ids.append(tokens)
             steps_logp.append(logp)
@@ -188,6 +207,14 @@ def generate(
                     hit = stops.advance(new, alive)
                     stopped |= torch.tensor(hit, dtype=torch.bool, device=device)
             done |= stopped | (lengths >= caps)
+            finished = done[live]
+            # Alternatives are gathered per step for every row, so those batches keep them all.
+            if not top_k and int(finished.sum()) * 4 >= len(live) and not bool(finished.all()):
+                keep = (~finished).nonzero().squeeze(1)
+                cache.reorder_cache(keep)
+                mask, positions, live = mask[keep], positions[keep], live[keep]
+                if route is not None:
+                    route([names[r] for r in live.tolist()])
     all_ids, all_logp = torch.stack(steps_ids, 1).tolist(), torch.stack(steps_logp, 1).tolist()
     tops = _alternatives(steps_top, [lim.top_logprobs for lim in row_limits])
     return [

@@ -118,6 +118,35 @@ def test_rows_sharing_a_prompt_share_its_pass_exactly(tiny: tuple[Any, Any]) -> 
     assert len({tuple(s.token_ids) for s in shared}) > 2  # the shared rows did diverge
 
 
+def test_finished_rows_leave_the_batch_and_the_rest_decode_as_alone(
+    tiny: tuple[Any, Any],
+) -> None:
+    """Rows that end early stop being computed; every row still samples (seeded) the tokens,
+    and gets the logprobs, it gets alone."""
+    model, tokenizer = tiny
+    a, b = (encode_prompt(tokenizer, p) for p in PROMPTS[:2])
+    rows, caps = [a, a, b, b, a, b, a, b], [2, 3, 3, 4, 5, 9, 12, 12]
+
+    def seeded(row: int) -> torch.Generator:
+        return torch.Generator().manual_seed(100 + row)
+
+    computed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: computed.append(i[0].shape[0])
+    )
+    try:
+        batched = generate(model, tokenizer, rows, caps, 1.0, [seeded(r) for r in range(8)])
+    finally:
+        hook.remove()
+    assert computed[0] == 2 and computed[1] == 8  # the prompt pass, then every row
+    assert computed[-1] < 8  # the rows done by then had left
+    for row, (prompt, sample) in enumerate(zip(rows, batched, strict=True)):
+        alone = generate(model, tokenizer, [prompt], caps[row], 1.0, [seeded(row)])[0]
+        assert sample.token_ids == alone.token_ids
+        ref = reference_logprobs(model, prompt, sample.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-4, rtol=0)
+
+
 def test_per_row_limits_and_eos_stop(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
     prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
