@@ -351,8 +351,15 @@ class RunDir:
         return step_versions(self.weights)
 
     def newest_version(self) -> int:
-        """The highest complete published version, or -1."""
-        return max(self.published_versions(), default=-1)
+        """The highest complete published version, or -1. Polled while inference waits for
+        weights: it checks the highest numbers first, not every kept version."""
+        if not self.weights.is_dir():
+            return -1
+        names = (name.removeprefix(STEP_PREFIX) for name in os.listdir(self.weights))
+        for version in sorted((int(n) for n in names if n.isdigit()), reverse=True):
+            if is_complete(self.weights_for(version)):
+                return version
+        return -1
 
     def prune_versions(self, keep: int) -> None:
         """Delete all but the newest `keep` published versions; version 0 (the weights RL

@@ -20,6 +20,8 @@ from rl.model import publish_weights
 from rl.rundir import BROADCAST, RunDir, is_complete
 from rl.weights.base import VersionWaiter, WeightPublisher
 
+POLL_S = 0.01  # how often inference looks for a new version while it waits for one
+
 
 class FilesystemPublisher(WeightPublisher):
     """Writes `weights/step_N/` and keeps the newest `keep` versions (and version 0)."""
@@ -55,7 +57,7 @@ class FilesystemWaiter(VersionWaiter):
     def wait(self, minimum: int, held: int) -> int:
         started = time.monotonic()
         newest = wait_for_version(
-            self.run_dir.newest_version, minimum, self.timeout_s, self.run_dir.weights, 0.05
+            self.run_dir.newest_version, minimum, self.timeout_s, self.run_dir.weights, POLL_S
         )
         if newest <= held:
             return held
