@@ -8,7 +8,8 @@ the rest of the loop), plus the samples generated against those trained.
 
 `--micro` adds, in this process with one thread (as a split-placement role has): forward and
 backward of one 256-sample reverse-text batch with and without shared prompts
-(`trainer.share_prompts`), and one batch of generation with the embedded engine's `generate`.
+(`trainer.share_prompts`), and one batch of generation with the embedded engine's `generate`,
+with the first run's version-0 weights (after its warm-up; else an untrained model).
 
     uv run python benchmarks/step_profile.py RUN_DIR [RUN_DIR ...] [--micro]
 """
@@ -66,10 +67,10 @@ def run_profile(run_dir: Path) -> None:
         print(f"  held-out exact match at version {last['step']}: {last['eval/exact_match']:.3f}")
 
 
-def micro() -> None:
+def micro(weights: Path | None) -> None:
     torch.set_num_threads(1)
     cfg = compose_run()
-    path = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    path = weights or ensure_checkpoint(cfg.model, seed=cfg.seed)
     model, tokenizer = load_model(path, dtype=cfg.model.dtype), load_tokenizer(path)
     env_cfg = cfg.environment
     examples = make_environment(env_cfg).train_examples()[: env_cfg.prompts_per_step]
@@ -84,7 +85,8 @@ def micro() -> None:
 
     def fwd_bwd(shared: bool) -> float:
         t0 = time.perf_counter()
-        logp, _ = packed_logprobs(model, sequences, prompt_lens=prompt_lens if shared else None)
+        sharing_args = {"prompt_lens": prompt_lens} if shared else {}
+        logp, _ = packed_logprobs(model, sequences, **sharing_args)
         logp.sum().backward()
         model.zero_grad()
         return time.perf_counter() - t0
@@ -118,8 +120,8 @@ def main() -> None:
     args = parser.parse_args()
     for run_dir in args.runs:
         run_profile(run_dir)
-    if args.micro:
-        micro()
+    if args.micro:  # the first run's warmed-up weights: completions of trained lengths
+        micro(args.runs[0] / "weights" / "step_0" if args.runs else None)
 
 
 if __name__ == "__main__":
