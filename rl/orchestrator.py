@@ -11,6 +11,7 @@ the final version.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -45,6 +46,9 @@ from rl.runtime import (
 from rl.weights.factory import make_waiter
 
 MAX_FILL_ROUNDS = 4  # sampling rounds to replace zero-advantage groups before keeping them
+# The first round draws enough prompts for the groups it expects to drop (at most this many
+# times a batch), so that few batches need a further round: each is a sequential decode.
+MAX_OVERSAMPLE = 2.0
 CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them into one batch
 
 
@@ -388,15 +392,24 @@ def _respond(env: Environment, episode: Episode) -> str | None:
 
 
 def rollout_record(
-    step: int, choices: list[dict[str, Any]], started_at: float, gen_s: float, load_s: float
+    step: int,
+    choices: list[dict[str, Any]],
+    started_at: float,
+    gen_s: float,
+    load_s: float,
+    generated: int = 0,
+    surplus: int = 0,
 ) -> RolloutRecord:
-    """Batch `step`'s numbers: when and how long it took, how long the model's answers were."""
+    """Batch `step`'s numbers: when and how long it took, how long the model's answers were,
+    how many completions were generated for it in all."""
     lengths = [
         len(c["token_ids"]) - sum(end - begin for begin, end in c.get("env_spans") or [])
         for c in choices
     ]
     truncated = sum(c.get("finish_reason") == "length" for c in choices)
-    return RolloutRecord(step + 1, gen_s, load_s, lengths, truncated, started_at)
+    return RolloutRecord(
+        step + 1, gen_s, load_s, lengths, truncated, started_at, generated or len(choices), surplus
+    )
 
 
 def no_signal(group: Group) -> bool:
@@ -440,6 +453,7 @@ class Orchestrator:
             self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
             self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
         self.max_len = max_model_len(cfg)
+        self.signal_share = 1.0  # share of first-round groups with signal, smoothed
 
     def rollouts(
         self, examples: list[Example], n: int, temperature: float
@@ -497,15 +511,27 @@ class Orchestrator:
         """Generate, score and push batch `step`: prompts_per_step groups with signal."""
         env_cfg, algo = self.cfg.environment, self.cfg.algorithm
         want, n = env_cfg.prompts_per_step, env_cfg.group_size
-        # Each batch draws from its own seeded stream: a restarted orchestrator draws the same.
+        # Each batch draws from its own seeded stream: a restarted orchestrator draws the same
+        # prompts (how many depends on the share of groups with signal it has seen).
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
         kept: list[tuple[Example, list[dict[str, Any]], Group]] = []
-        filtered, versions = 0, set()
+        filtered, surplus, generated, versions = 0, 0, 0, set()
         started_at, t0 = time.time(), time.monotonic()
+        pool = self.env.train_examples()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
-            examples = rng.sample(self.env.train_examples(), want - len(kept))
+            draw = want - len(kept)
+            if algo.filter_zero_advantage and round_ == 1:
+                # enough that the groups with signal reach the batch's but one standard
+                # deviation short of their expected number
+                share = max(self.signal_share, 1e-3)
+                margin = math.sqrt(draw * (1 - share))
+                draw = min(math.ceil((draw + margin) / share), int(MAX_OVERSAMPLE * draw))
+                draw = min(draw, len(pool))
+            examples = rng.sample(pool, draw)
             choices = self.rollouts(examples, n, algo.temperature)
+            generated += sum(c is not None for c in choices)
             versions |= {c["policy_version"] for c in choices if c}
+            with_signal = 0
             for i, example in enumerate(examples):
                 mine = [c for c in choices[i * n : (i + 1) * n] if c]
                 if not mine:  # no episode reached the model (agents that failed at once)
@@ -518,7 +544,13 @@ class Orchestrator:
                 if algo.filter_zero_advantage and round_ < MAX_FILL_ROUNDS and no_signal(group):
                     filtered += 1
                     continue
+                with_signal += 1
+                if len(kept) == want:  # drawn for groups that turned out to have signal
+                    surplus += 1
+                    continue
                 kept.append((example, mine, group))
+            if algo.filter_zero_advantage and round_ == 1:
+                self.signal_share = 0.8 * self.signal_share + 0.2 * with_signal / len(examples)
             if len(kept) == want:
                 break
         gen_s = time.monotonic() - t0
@@ -531,7 +563,9 @@ class Orchestrator:
         groups[0].samples[0].filtered_groups = filtered
         choices = [c for _, mine, _ in kept for c in mine]
         # Recorded before the push, so it precedes the train record of the step it feeds.
-        record = rollout_record(step, choices, started_at, gen_s, self.weights.load_s)
+        record = rollout_record(
+            step, choices, started_at, gen_s, self.weights.load_s, generated, surplus
+        )
         self.run_dir.append_metrics(record.to_json())
         self.weights.load_s = 0.0
         self.push(groups, step)

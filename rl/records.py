@@ -356,6 +356,12 @@ class RolloutRecord:
     started_at: float
     """Wall clock (time.time()) when generating the batch began, after the weights it waited
     for were loaded."""
+    generated: int = 0
+    """Completions generated for the batch in all its rounds: those trained on, those of groups
+    dropped for having no signal, and those of surplus groups."""
+    surplus_groups: int = 0
+    """Groups with signal drawn beyond the batch (the first round draws for the groups it
+    expects to drop) and not trained on."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -368,6 +374,8 @@ class RolloutRecord:
             "response/length_mean": sum(self.lengths) / max(len(self.lengths), 1),
             "response/length_max": max(self.lengths, default=0),
             "response/truncated": self.truncated / max(len(self.lengths), 1),
+            "samples/generated": self.generated,
+            "filter/surplus_groups": self.surplus_groups,
         }
 
 

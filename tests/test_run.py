@@ -166,9 +166,12 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
         assert record["lr"] == pytest.approx(3e-4)  # model=tiny's, algorithm.lr unset
         assert record["memory/rss_gb"] > 0.1
     assert [r["step"] for r in rollouts] == list(range(1, 21))
-    for record in rollouts:
+    for record, step in zip(rollouts, train, strict=True):
         assert 1 <= record["response/length_mean"] <= record["response/length_max"] <= 12
         assert 0.0 <= record["response/truncated"] <= 1.0 and record["time/generate"] > 0
+        # every completion generated for the batch: trained, dropped without signal, surplus
+        dropped = step["filter/zero_advantage_groups"] + record["filter/surplus_groups"]
+        assert record["samples/generated"] == step["samples"] + 4 * dropped
     assert [r["step"] for r in records if r["kind"] == "warmup"] == [5]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 20
     assert all("eval/reward/mean" in r for r in evals)
