@@ -185,9 +185,7 @@ def run_relay(
         model = load_model(layout.weights_for(version), dtype=cfg.model.dtype)
         score = exact_match(model, tokenizer, env, cfg.environment.max_tokens)
         run.curve.append((trained[version], clock.get(version, 0.0), score))
-    run.generated = trained[steps] + cfg.environment.group_size * sum(
-        r["filter/zero_advantage_groups"] for r in train
-    )
+    run.generated = sum(r["samples/generated"] for r in rollouts)  # every round's completions
     run.profile = {
         "trainer: train": sum(r["time/train"] for r in train),
         "trainer: wait for batch": sum(r["time/wait_batch"] for r in train),
