@@ -238,7 +238,8 @@ def trl_worker(spec_path: Path) -> None:
             if step % every and step != steps:
                 return
             now = time.perf_counter()
-            score = exact_match(kw["model"], tokenizer, env, env_cfg.max_tokens)
+            with torch.random.fork_rng(devices=[]):  # scoring must not move TRL's sampling
+                score = exact_match(kw["model"], tokenizer, env, env_cfg.max_tokens)
             curve.append((step * batch, now - clock["start"] - clock["paused"], score))
             clock["paused"] += time.perf_counter() - now
 
@@ -297,7 +298,8 @@ def trl_worker(spec_path: Path) -> None:
 
     trainer._generate_and_score_completions = timed_generation
     trainer.training_step = timed_step
-    before = exact_match(model, tokenizer, env, env_cfg.max_tokens)
+    with torch.random.fork_rng(devices=[]):
+        before = exact_match(model, tokenizer, env, env_cfg.max_tokens)
     trainer.train()
     rl_s = curve[-1][1]
     Path(spec["result"]).write_text(
@@ -417,6 +419,15 @@ def report(runs: list[Run], labels: list[str], targets: list[float], max_other: 
         )
         parts.append(f"exact at equal samples {finals:.2f}")
         print(f"ratio {label}/{base}: " + ", ".join(parts))
+        final = statistics.mean(r.final for r in by[base])
+        reach = [r.time_to(final) for r in by[label]]
+        if None not in reach:
+            whole = statistics.mean(r.rl_s for r in by[base])
+            print(
+                f"  {label} reached {base}'s mean final score {final:.3f} in "
+                f"{statistics.mean(reach):.1f} s, {base} took {whole:.1f} s for all its steps: "
+                f"ratio {statistics.mean(reach) / whole:.2f}"
+            )
     print()
     phases = sorted({k for rs in by.values() for r in rs for k in r.profile}, key=str)
     for label, rs in by.items():
