@@ -520,10 +520,11 @@ class Orchestrator:
         pool = self.env.train_examples()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
             draw = want - len(kept)
-            if algo.filter_zero_advantage and round_ == 1:
-                # enough that the groups with signal reach the batch's but one standard
-                # deviation short of their expected number
-                share = max(self.signal_share, 1e-3)
+            share = self.signal_share
+            # Enough that the groups with signal reach the batch's but one standard deviation
+            # short of their expected number; not where even the most it may draw would fall
+            # short (a task whose rewards rarely differ): more rounds come anyway.
+            if algo.filter_zero_advantage and round_ == 1 and share * MAX_OVERSAMPLE >= 1:
                 margin = math.sqrt(draw * (1 - share))
                 draw = min(math.ceil((draw + margin) / share), int(MAX_OVERSAMPLE * draw))
                 draw = min(draw, len(pool))

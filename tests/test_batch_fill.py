@@ -20,9 +20,10 @@ from rl.testing import compose_run
 PROMPTS, GROUP = 8, 4
 
 
-def flat(example: Example) -> bool:
-    """Half the prompts (by a stable hash) get the same completion every time: no signal."""
-    return zlib.crc32(example.prompt.encode()) % 2 == 0
+def flat(example: Example, every: int) -> bool:
+    """One prompt in `every` (by a stable hash; 1: all) gets the same completion each time:
+    its group has no signal."""
+    return zlib.crc32(example.prompt.encode()) % every == 0
 
 
 def choice(text: str) -> dict[str, Any]:
@@ -37,12 +38,12 @@ def choice(text: str) -> dict[str, Any]:
     }
 
 
-def orchestrator(tmp_path: Path, rounds: list[list[int]], *overrides: str) -> Orchestrator:
+def orchestrator(tmp_path: Path, rounds: list[list[int]], every: int) -> Orchestrator:
     """An orchestrator whose inference is a stand-in answering by `flat`, with what `generate`
     needs and nothing else; each batch's draws per round land in `rounds`."""
     orch = Orchestrator.__new__(Orchestrator)
     orch.cfg = compose_run(
-        f"environment.prompts_per_step={PROMPTS}", f"environment.group_size={GROUP}", *overrides
+        f"environment.prompts_per_step={PROMPTS}", f"environment.group_size={GROUP}"
     )
     orch.env = make_environment(orch.cfg.environment)
     orch.advantage = ADVANTAGES["group_mean"]
@@ -57,7 +58,11 @@ def orchestrator(tmp_path: Path, rounds: list[list[int]], *overrides: str) -> Or
 
     def rollouts(examples: list[Example], n: int, temperature: float) -> list[dict[str, Any]]:
         rounds[-1].append(len(examples))
-        return [choice(e.answer if flat(e) or k == 0 else "zz") for e in examples for k in range(n)]
+        return [
+            choice(e.answer if flat(e, every) or k == 0 else "zz")
+            for e in examples
+            for k in range(n)
+        ]
 
     orch.rollouts = rollouts  # type: ignore[method-assign]
     return orch
@@ -71,20 +76,30 @@ def run_batches(orch: Orchestrator, rounds: list[list[int]], batches: int) -> No
 
 def test_batches_fill_in_one_round_mostly_and_count_what_they_drop(tmp_path: Path) -> None:
     rounds: list[list[int]] = []
-    orch = orchestrator(tmp_path, rounds)
+    orch = orchestrator(tmp_path, rounds, every=4)  # a quarter of the groups without signal
     run_batches(orch, rounds, 40)
     for groups, drawn in zip(orch.pushed, rounds, strict=True):  # type: ignore[attr-defined]
         assert len(groups) == PROMPTS
         # (the last round keeps what it gets, so that the batch fills)
         signal = all(any(abs(s.advantage) > 0 for s in g.samples) for g in groups)
         assert signal or len(drawn) == MAX_FILL_ROUNDS, drawn
-    settled = rounds[10:]  # once the share of groups with signal is learnt (about half)
+    settled = rounds[10:]  # once the share of groups with signal is learnt (about 3/4)
     assert all(PROMPTS < r[0] <= 2 * PROMPTS for r in settled)
     refilled = sum(len(r) > 1 for r in settled)
-    assert refilled < len(settled) // 2
+    assert refilled < len(settled) // 3
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 40
     for record, drawn in zip(records, rounds, strict=True):
         assert record["samples/generated"] == GROUP * sum(drawn)
         dropped = sum(drawn) - PROMPTS
         assert record["filter/surplus_groups"] <= dropped
+
+
+def test_a_task_without_signal_draws_no_more_than_the_batch(tmp_path: Path) -> None:
+    # Every group scores alike (rewards that never differ): drawing more would only cost.
+    rounds: list[list[int]] = []
+    orch = orchestrator(tmp_path, rounds, every=1)
+    run_batches(orch, rounds, 8)
+    # once its estimate of the share with signal (from 1) has fallen under a half
+    assert rounds[4:] == [[PROMPTS] * MAX_FILL_ROUNDS] * 4
+    assert all(len(groups) == PROMPTS for groups in orch.pushed)  # type: ignore[attr-defined]
