@@ -58,9 +58,14 @@ def run_profile(run_dir: Path) -> None:
     ]
     for name, seconds in rows:
         print(f"  {name:40} {1000 * seconds:7.1f} ms  {100 * seconds * steps / span:5.1f}%")
+    if all("samples/generated" in r for r in rollouts):  # counted by the orchestrator
+        generated = sum(r["samples/generated"] for r in rollouts)
+        surplus = group * sum(r["filter/surplus_groups"] for r in rollouts)
+    else:  # older runs: the zero-advantage groups were the only ones not trained on
+        generated, surplus = trained + group * filtered, 0
     print(
-        f"  samples trained {trained}, generated {trained + group * filtered} "
-        f"({group * filtered} in zero-advantage groups, resampled)"
+        f"  samples trained {trained}, generated {generated} ({group * filtered} in "
+        f"zero-advantage groups, {surplus} in surplus groups)"
     )
     if evals:
         last = max(evals, key=lambda r: r["step"])
