@@ -453,7 +453,7 @@ class Orchestrator:
             self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
             self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
         self.max_len = max_model_len(cfg)
-        self.signal_share = 1.0  # share of first-round groups with signal, smoothed
+        self.signal_share: float | None = None  # share of first-round groups with signal
 
     def rollouts(
         self, examples: list[Example], n: int, temperature: float
@@ -520,7 +520,7 @@ class Orchestrator:
         pool = self.env.train_examples()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
             draw = want - len(kept)
-            share = self.signal_share
+            share = 1.0 if self.signal_share is None else self.signal_share
             # Enough that the groups with signal reach the batch's but one standard deviation
             # short of their expected number; not where even the most it may draw would fall
             # short (a task whose rewards rarely differ): more rounds come anyway.
@@ -550,8 +550,10 @@ class Orchestrator:
                     surplus += 1
                     continue
                 kept.append((example, mine, group))
-            if algo.filter_zero_advantage and round_ == 1:
-                self.signal_share = 0.8 * self.signal_share + 0.2 * with_signal / len(examples)
+            if algo.filter_zero_advantage and round_ == 1:  # the first batch sets it
+                seen = with_signal / len(examples)
+                old = seen if self.signal_share is None else self.signal_share
+                self.signal_share = 0.8 * old + 0.2 * seen
             if len(kept) == want:
                 break
         gen_s = time.monotonic() - t0

@@ -51,7 +51,7 @@ def orchestrator(tmp_path: Path, rounds: list[list[int]], every: int) -> Orchest
     orch.weights = SimpleNamespace(load_s=0.0)
     orch.colocated_gpu = False
     orch.log = logging.getLogger("test_batch_fill")
-    orch.signal_share = 1.0
+    orch.signal_share = None
     orch.pushed = []  # type: ignore[attr-defined]
     orch.push = lambda groups, step: orch.pushed.append(groups)  # type: ignore[attr-defined]
     orch.save_rollouts = lambda *args: None  # type: ignore[method-assign]
@@ -100,6 +100,5 @@ def test_a_task_without_signal_draws_no_more_than_the_batch(tmp_path: Path) -> N
     rounds: list[list[int]] = []
     orch = orchestrator(tmp_path, rounds, every=1)
     run_batches(orch, rounds, 8)
-    # once its estimate of the share with signal (from 1) has fallen under a half
-    assert rounds[4:] == [[PROMPTS] * MAX_FILL_ROUNDS] * 4
+    assert rounds == [[PROMPTS] * MAX_FILL_ROUNDS] * 8  # from the first batch's share on
     assert all(len(groups) == PROMPTS for groups in orch.pushed)  # type: ignore[attr-defined]
