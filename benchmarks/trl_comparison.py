@@ -279,25 +279,23 @@ def trl_worker(spec_path: Path) -> None:
         callbacks=[HeldOut()],
     )
     trainer.remove_callback(PrinterCallback)  # one log dict per step otherwise
-    generate_and_score = trainer._generate_and_score_completions
-    training_step = trainer.training_step
 
-    def timed_generation(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return generate_and_score(*a, **kw)
-        finally:
-            clock["generate"] += time.perf_counter() - t0
+    def timed(fn: Any, phase: str) -> Any:
+        """fn, adding the seconds each call takes to clock[phase]."""
 
-    def timed_step(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return training_step(*a, **kw)
-        finally:
-            clock["step"] += time.perf_counter() - t0
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock[phase] += time.perf_counter() - t0
 
-    trainer._generate_and_score_completions = timed_generation
-    trainer.training_step = timed_step
+        return wrapper
+
+    trainer._generate_and_score_completions = timed(
+        trainer._generate_and_score_completions, "generate"
+    )
+    trainer.training_step = timed(trainer.training_step, "step")
     with torch.random.fork_rng(devices=[]):
         before = exact_match(model, tokenizer, env, env_cfg.max_tokens)
     trainer.train()

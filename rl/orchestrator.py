@@ -397,8 +397,8 @@ def rollout_record(
     started_at: float,
     gen_s: float,
     load_s: float,
-    generated: int = 0,
-    surplus: int = 0,
+    generated: int,
+    surplus: int,
 ) -> RolloutRecord:
     """Batch `step`'s numbers: when and how long it took, how long the model's answers were,
     how many completions were generated for it in all."""
@@ -408,7 +408,7 @@ def rollout_record(
     ]
     truncated = sum(c.get("finish_reason") == "length" for c in choices)
     return RolloutRecord(
-        step + 1, gen_s, load_s, lengths, truncated, started_at, generated or len(choices), surplus
+        step + 1, gen_s, load_s, lengths, truncated, started_at, generated, surplus
     )
 
 

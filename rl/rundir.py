@@ -355,8 +355,9 @@ class RunDir:
         weights: it checks the highest numbers first, not every kept version."""
         if not self.weights.is_dir():
             return -1
-        names = (name.removeprefix(STEP_PREFIX) for name in os.listdir(self.weights))
-        for version in sorted((int(n) for n in names if n.isdigit()), reverse=True):
+        steps = (n for n in os.listdir(self.weights) if n.startswith(STEP_PREFIX))
+        numbers = (n.removeprefix(STEP_PREFIX) for n in steps)
+        for version in sorted((int(n) for n in numbers if n.isdigit()), reverse=True):
             if is_complete(self.weights_for(version)):
                 return version
         return -1

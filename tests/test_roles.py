@@ -45,6 +45,8 @@ def test_newest_version_ignores_incomplete(tmp_path: Path) -> None:
         if complete:
             (run_dir.weights_for(n) / "COMPLETE").touch()
     (run_dir.weights / "step_3.tmp").mkdir()
+    (run_dir.weights / "9").mkdir()  # not a step_N folder, complete or not
+    (run_dir.weights / "9" / "COMPLETE").touch()
     assert run_dir.newest_version() == 1
 
 
