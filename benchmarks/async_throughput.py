@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rl.records import is_train
-from rl.rundir import RunDir
-from rl.testing import ROOT
+from rl.core.records import is_train
+from rl.core.rundir import RunDir
+from tests.support.runs import ROOT
 
 
 def samples_per_second(run_dir: Path) -> float:

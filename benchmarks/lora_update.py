@@ -23,11 +23,13 @@ import httpx
 import torch
 
 from benchmarks.weight_update import LARGER, dir_bytes
-from rl import lora
-from rl.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
-from rl.rundir import RunDir
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.core import lora
+from rl.core.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
+from rl.core.rundir import RunDir
+from rl.core.runtime import auth_headers, wait_for_address
+from rl.trainer import lora as lora_trainer
+from rl.weights import lora as lora_weights
+from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 
 def measure(cfg, root: Path, repeats: int) -> dict[str, dict[str, float]]:
@@ -38,7 +40,7 @@ def measure(cfg, root: Path, repeats: int) -> dict[str, dict[str, float]]:
     try:
         url = wait_for_address(run_dir, "inference-0", timeout=600)
         base = ensure_checkpoint(cfg.model, seed=cfg.seed)
-        model, tok = lora.wrap(load_model(base), cfg.model), load_tokenizer(base)
+        model, tok = lora_trainer.wrap(load_model(base), cfg.model), load_tokenizer(base)
         times: dict[str, dict[str, list[float]]] = {
             kind: {"publish": [], "load": [], "mb": []} for kind in ("full", "adapter")
         }
@@ -54,9 +56,9 @@ def measure(cfg, root: Path, repeats: int) -> dict[str, dict[str, float]]:
                     t0 = time.perf_counter()
                     if kind == "full":
                         publish_weights(model.get_base_model(), tok, target,
-                                        lora.base_tensors(model.state_dict()))  # fmt: skip
+                                        lora_weights.base_tensors(model.state_dict()))  # fmt: skip
                     else:
-                        lora.publish(version, model, tok, None, layout)  # odd: an adapter
+                        lora_weights.publish(version, model, tok, None, layout)  # odd: an adapter
                     t1 = time.perf_counter()
                     body = {"path": str(target), "version": version}
                     client.post("/admin/load_weights", json=body).raise_for_status()

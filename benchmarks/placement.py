@@ -18,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rl.records import is_eval, is_train
-from rl.rundir import RunDir
-from rl.testing import ROOT
+from rl.core.records import is_eval, is_train
+from rl.core.rundir import RunDir
+from tests.support.runs import ROOT
 
 
 def measure(run_dir: Path, target: float) -> dict[str, float | None]:

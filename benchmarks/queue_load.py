@@ -35,9 +35,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from benchmarks.queue_throughput import raw_loopback_mb_per_s
-from rl import wire
-from rl.runtime import auth_headers, listen_socket, wait_for_address
-from rl.testing import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.core import wire
+from rl.core.runtime import auth_headers, listen_socket, wait_for_address
+from tests.support.runs import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 
 @dataclass

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from rl import wire
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.core import wire
+from rl.core.runtime import auth_headers, wait_for_address
+from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 GROUPS_PER_STEP = 8
 

@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.sweep import sweep_points
-from rl.records import is_eval
-from rl.testing import ROOT
+from launcher.sweep_summary import sweep_points
+from rl.core.records import is_eval
+from tests.support.runs import ROOT
 
 
 def run_sweep(sweep_dir: Path, steps: int, lrs: str, rank: int, shared: bool) -> float:

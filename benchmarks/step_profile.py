@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from rl.core.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
 from rl.envs import make_environment
-from rl.generation import generate
-from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
-from rl.packing import packed_logprobs
-from rl.testing import compose_run
+from rl.inference.generation import generate
+from rl.trainer.packing import packed_logprobs
+from tests.support.runs import compose_run
 
 
 def run_profile(run_dir: Path) -> None:

@@ -3,7 +3,7 @@ world size 1 vs 2 (FSDP2 over gloo) on this CPU, as ratios measured in one run.
 
 Samples have the shapes of two environments: reverse-text (short prompts, completions of 1-12
 tokens) and a multi-turn tool episode mix (prompts of 100-400 tokens, 20-300 after). Each
-configuration runs the real `rl.trainer.Trainer.train_step` on the same batches; the first step
+configuration runs the real `rl.trainer.loop.Trainer.train_step` on the same batches; the first step
 is a warm-up and is not timed. Both world sizes use all the cores: one rank with N threads, or
 two ranks with N/2 threads each.
 
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl.packing import pack_rows
-from rl.testing import TOKEN, compose_run, write_run_dir
+from rl.core.binpack import first_fit_decreasing
+from tests.support.runs import TOKEN, compose_run, write_run_dir
 
 MODEL = [  # a Qwen3 of 3.2M parameters (12.7 MB): arithmetic, not overhead, dominates
     "model.num_layers=4",
@@ -79,7 +79,7 @@ def waste(batch: list[dict[str, Any]], parts: list[list[int]]) -> tuple[float, f
         lengths = [len(batch[i]["prompt_ids"]) + len(batch[i]["completion_ids"]) for i in part]
         width = max(lengths)
         padded += len(lengths) * width
-        packed += len(pack_rows(lengths, width)) * width
+        packed += len(first_fit_decreasing(lengths, width)) * width
         real += sum(lengths)
     return 1 - real / padded, 1 - real / packed
 
@@ -89,8 +89,8 @@ def rank_main(
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    from rl.records import Sample
-    from rl.trainer import Trainer
+    from rl.core.records import Sample
+    from rl.trainer.loop import Trainer
 
     trainer = Trainer(Path(run_dir))
     budget = trainer.cfg.trainer.micro_batch_tokens

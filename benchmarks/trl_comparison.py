@@ -4,7 +4,7 @@ Both systems train Relay's tiny model on one task (reverse_text unless an overri
 environment) for `--steps` optimiser steps of prompts_per_step x group_size samples, the
 environment's max_tokens, temperature 1, the run's learning rate (constant), AdamW betas
 (0.9, 0.99), gradient clipping at 1.0, no KL term, from the same weights: Relay's supervised
-warm-up (`warmup.*`, as in rl/trainer.py) is run once here and saved; Relay gets
+warm-up (`warmup.*`, as in rl/trainer/loop.py) is run once here and saved; Relay gets
 `model.path=<those weights> warmup.steps=0` and TRL loads the same directory.
 
 - Relay runs as the real `rl` command (its defaults: split placement, async_level 1, its loss),
@@ -50,22 +50,22 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rl.derive import learning_rate
+from rl.core.derive import learning_rate
+from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
+from rl.core.records import is_eval, is_train
+from rl.core.rundir import RunDir, mark_complete
 from rl.envs import Environment, make_environment
-from rl.generation import generate
-from rl.model import ensure_checkpoint, load_model, load_tokenizer
-from rl.records import is_eval, is_train
-from rl.rundir import RunDir, mark_complete
-from rl.testing import ROOT, compose_run
-from rl.trainer import sft_batch, token_logprobs
+from rl.inference.generation import generate
+from rl.trainer.batches import sft_batch, token_logprobs
+from tests.support.runs import ROOT, compose_run
 
 TRL = "trl"
 RELAY = "relay"
 
 
 def warm_up(cfg: DictConfig, target: Path) -> Path:
-    """Relay's supervised warm-up (rl/trainer.py `Trainer.warmup`, one process), saved to target
-    in HF layout: the weights both systems start RL from."""
+    """Relay's supervised warm-up (rl/trainer/loop.py `Trainer.warmup`, one process), saved to
+    target in HF layout: the weights both systems start RL from."""
     base = ensure_checkpoint(cfg.model, seed=cfg.seed)
     model, tokenizer = load_model(base, dtype=cfg.model.dtype), load_tokenizer(base)
     examples = make_environment(cfg.environment).train_examples()

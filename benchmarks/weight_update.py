@@ -26,16 +26,16 @@ import httpx
 import torch
 
 from launcher.plan import vllm_args
-from rl.model import (
+from rl.core.model import (
     ensure_checkpoint,
     load_model,
     load_tokenizer,
     publish_weights,
 )
-from rl.rundir import RunDir
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.core.rundir import RunDir
+from rl.core.runtime import auth_headers, wait_for_address
 from rl.weights.broadcast import InferenceBroadcaster
+from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 LARGER = [
     "model.name=small",

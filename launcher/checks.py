@@ -1,25 +1,74 @@
-"""Settings that cannot work whatever the rest of the config says: refused before anything starts.
+"""Every refusal a run gets before anything is sized or started, each one line that names the
+key and the fix (launcher/plan.py calls `check_run` first):
 
-Hydra checks each value's type against the schema (rl/config.py); this module checks its range
-(a negative count, a learning rate that is not a positive number, a port past 65535, a seed
-torch cannot take). Each check is one line in a table, and the first failure is raised as a
-PlanError naming the key, the value and what would be valid. Checks that relate several
-groups (degrees that must divide GPUs, lengths that must fit the model) stay in
-launcher/plan.py.
+- each setting within its range: the bounds its field carries in the schema (rl/core/config.py);
+- settings that contradict each other: a checkpoint warning after the time limit, a queue
+  smaller than a step, colocated placement with staleness or with broadcast weights, expert
+  parallelism on a dense model, context parallelism on sequences too short to split, LoRA
+  targets and ranks the servers cannot take, a shared-inference sweep point that cannot share;
+- an environment that does not exist, or an agent that cannot be loaded;
+- a model whose weights are not built or shipped here needs `model.path` (there is no model
+  hub): refused before a run starts; the plan (and so a dry run) says so in a note;
+- a cluster without GPUs runs only models whose training state and weights fit the node's host
+  memory, and none served in FP8 (vLLM's CPU build has no FP8 kernels);
+- an FP8 MoE whose experts, split by tensor parallelism, no longer cover whole FP8 blocks
+  (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
+  expert parallelism, which keeps each expert whole.
+
+What depends on the run's size (nodes, GPUs, memory) is refused in launcher/sizing.py.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from launcher.errors import PlanError
-from rl.config import Backend, ClusterKind
-from rl.derive import inference_backend
+from omegaconf import DictConfig
 
-MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
-MAX_PORT = 65535
+from launcher.errors import PlanError, refuse
+from launcher.sizing import DTYPE_BYTES, TRAIN_BYTES_PER_PARAM, disaggregated
+from launcher.vllm_args import VLLM_LORA_RANKS
+from rl.core import lora
+from rl.core.config import (
+    Backend,
+    BroadcastBackend,
+    ClusterKind,
+    Placement,
+    WeightTransport,
+    bounded_settings,
+)
+from rl.core.derive import inference_backend, max_model_len
+from rl.envs import locate as locate_environment
+
+FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped FP8 checkpoints
+LOCAL_SOURCES = ("random", "gguf_package")  # built here, or shipped inside a Python package
+# Fewest tokens per context-parallel rank for which splitting a sequence pays off.
+MIN_TOKENS_PER_CP_RANK = 64
+
+
+def check_run(cfg: DictConfig) -> list[str]:
+    """Refuse what cannot work whatever the cluster holds; returns the plan's notes (what a
+    LoRA run adapts, weights still missing). `cluster.gpus_per_node` must be filled in."""
+    check_relations(cfg)
+    check_environment(cfg)
+    check_model_fit(cfg)
+    check_cpu_fit(cfg)
+    check_expert_split(cfg)
+    adapter = check_lora(cfg)
+    check_shared_inference(cfg)
+    check_weight_transport(cfg)
+    notes = [adapter] if adapter else []
+    if missing := weights_missing(cfg):
+        notes.append(f"{missing} (the run itself is refused until then)")
+    return notes
+
+
+def check_bounds(cfg: Any) -> None:
+    """Raise PlanError for the first setting outside the bounds its schema field carries."""
+    for key, bounds in bounded_settings():
+        value = _lookup(cfg, key)
+        if value is not None and not bounds.admits(value):
+            raise PlanError(f"{key}={value}: {bounds.describe()}")
 
 
 def _lookup(cfg: Any, key: str) -> Any:
@@ -29,67 +78,17 @@ def _lookup(cfg: Any, key: str) -> Any:
     return value
 
 
-def _positive_number(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value) and value > 0
-
-
-# (key, accepts the value, what is valid); None values are left to the schema's meaning.
-RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("seed", lambda v: 0 <= v <= MAX_SEED, f"must be between 0 and {MAX_SEED}"),
-    ("environment.seed", lambda v: 0 <= v <= MAX_SEED, f"must be between 0 and {MAX_SEED}"),
-    ("max_restarts", lambda v: v >= 0, "must be >= 0 (0 stops the run at the first death)"),
-    ("model.lr", _positive_number, "must be a positive number"),
-    ("model.lora.rank", lambda v: v >= 0, "must be >= 0 (0 trains every weight, no LoRA)"),
-    ("model.lora.dropout", lambda v: 0 <= v < 1, "must be >= 0 and < 1"),
-    ("inference.max_loras", lambda v: v >= 1, "must be >= 1"),
-    ("algorithm.lr", _positive_number, "must be a positive number (default: model.lr)"),
-    ("algorithm.max_off_policy_steps", lambda v: v >= 0, "must be >= 0"),
-    ("algorithm.max_grad_norm", _positive_number, "must be a positive number"),
-    ("algorithm.temperature", lambda v: math.isfinite(v) and v >= 0, "must be >= 0"),
-    ("environment.prompts_per_step", lambda v: v >= 1, "must be >= 1"),
-    ("environment.max_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("environment.eval_size", lambda v: v >= 1, "must be >= 1"),
-    ("environment.eval_every", lambda v: v >= 0, "must be >= 0 (0: only first and last)"),
-    ("warmup.steps", lambda v: v >= 0, "must be >= 0 (0 skips the warm-up)"),
-    ("warmup.lr", _positive_number, "must be a positive number"),
-    ("warmup.batch_size", lambda v: v >= 1, "must be >= 1"),
-    ("trainer.micro_batch_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("trainer.checkpoint_every", lambda v: v >= 0, "must be >= 0 (0: only at the end)"),
-    ("trainer.keep_weights", lambda v: v >= 1, "must be >= 1"),
-    ("inference.max_batch_size", lambda v: v >= 1, "must be >= 1"),
-    ("inference.port", lambda v: 0 <= v <= MAX_PORT, f"must be 0 (any free) to {MAX_PORT}"),
-    ("queue.port", lambda v: 0 <= v <= MAX_PORT, f"must be 0 (any free) to {MAX_PORT}"),
-    ("queue.max_request_mb", lambda v: v >= 1, "must be >= 1"),
-    ("cluster.master_port", lambda v: 1 <= v <= MAX_PORT, f"must be 1 to {MAX_PORT}"),
-    # Slurm reads 0 as "no limit" and starts a negative one anyway.
-    ("cluster.time_min", lambda v: v >= 1, "must be >= 1 (minutes of wall time per job)"),
-    ("cluster.signal_delay_s", lambda v: v >= 0, "must be >= 0"),
-    *(
-        (f"timeouts.{name}", _positive_number, "must be a positive number of seconds")
-        for name in ("request_s", "peer_s", "batch_s", "weights_s", "collective_s", "ready_s")
-    ),
-    # A heartbeat comes every hung_s / 10 (at most 1 s): shorter than 1 s cannot be told apart
-    # from a busy machine.
-    ("timeouts.hung_s", lambda v: math.isfinite(v) and v >= 1, "must be >= 1 (seconds)"),
-]
-
-
-def check_ranges(cfg: Any) -> None:
-    """Raise PlanError for the first setting outside its valid range."""
-    for key, valid, what in RANGES:
-        value = _lookup(cfg, key)
-        if value is not None and not valid(value):
-            raise PlanError(f"{key}={value}: {what}")
-    cluster = cfg.cluster
+def check_relations(cfg: DictConfig) -> None:
+    """Settings each valid alone that cannot go together."""
+    cluster, env, algo = cfg.cluster, cfg.environment, cfg.algorithm
     if cluster.kind == ClusterKind.slurm and cluster.signal_delay_s >= cluster.time_min * 60:
         raise PlanError(
             f"cluster.signal_delay_s={cluster.signal_delay_s}: the checkpoint warning must come "
             f"before the time limit, below cluster.time_min={cluster.time_min} x 60 s"
         )
-    env, queue = cfg.environment, cfg.queue
-    if queue.capacity < env.prompts_per_step:
+    if cfg.queue.capacity < env.prompts_per_step:
         raise PlanError(
-            f"queue.capacity={queue.capacity}: must hold at least one step's "
+            f"queue.capacity={cfg.queue.capacity}: must hold at least one step's "
             f"environment.prompts_per_step={env.prompts_per_step} groups"
         )
     embedded = inference_backend(cfg) == Backend.embedded
@@ -98,3 +97,216 @@ def check_ranges(cfg: Any) -> None:
             f"environment.group_size={env.group_size}: one prompt's group must fit in "
             f"inference.max_batch_size={cfg.inference.max_batch_size} sequences"
         )
+    colocated = cfg.placement == Placement.colocated
+    if (
+        colocated
+        and cluster.gpus_per_node
+        and (cfg.inference.weight_transport != WeightTransport.filesystem)
+    ):
+        refuse(
+            f"inference.weight_transport={cfg.inference.weight_transport}",
+            "placement=colocated on GPU loads each version from weights/ after waking "
+            "inference; use inference.weight_transport=filesystem",
+        )
+    if colocated and algo.async_level:
+        refuse(
+            f"algorithm.async_level={algo.async_level}",
+            "placement=colocated takes turns: each batch is generated by the policy the "
+            "trainer just published, so it is on-policy (async_level=0); for asynchronous "
+            "training leave placement=split",
+        )
+    if algo.max_off_policy_steps < algo.async_level:
+        refuse(
+            f"algorithm.async_level={algo.async_level}",
+            f"must be >= 0 and <= algorithm.max_off_policy_steps={algo.max_off_policy_steps}",
+        )
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """The environment is built in or an installed package's; an agent must load now."""
+    try:
+        locate_environment(cfg.environment.name)
+        if cfg.environment.name == "agent":  # the agent is the user's code: load it now
+            from rl.orchestrator.agents import check_config
+
+            check_config(cfg.environment)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+
+
+def check_model_fit(cfg: DictConfig) -> None:
+    model, par, env = cfg.model, cfg.parallel, cfg.environment
+    if not model.num_experts:
+        for key, value in (
+            ("parallel.trainer.ep", par.trainer.ep > 1),
+            ("parallel.inference.expert_parallel", par.inference.expert_parallel),
+        ):
+            if value:
+                refuse(
+                    f"{key}={par.trainer.ep if 'ep' in key else 'true'}",
+                    f"expert parallelism needs an MoE model; model={model.name} is dense "
+                    f"(choose parallel=single, fsdp, hsdp, cp2, tp or dp)",
+                )
+    elif model.num_experts % par.trainer.ep:
+        refuse(
+            f"parallel.trainer.ep={par.trainer.ep}",
+            f"must divide model={model.name}'s {model.num_experts} experts",
+        )
+    if par.trainer.cp > 1 and env.max_tokens < par.trainer.cp * MIN_TOKENS_PER_CP_RANK:
+        refuse(
+            f"parallel.trainer.cp={par.trainer.cp}",
+            f"environment.max_tokens={env.max_tokens} is too short to split: context "
+            f"parallelism needs >= {MIN_TOKENS_PER_CP_RANK} tokens per rank "
+            f"(max_tokens >= {par.trainer.cp * MIN_TOKENS_PER_CP_RANK}) or cp=1",
+        )
+    max_len = max_model_len(cfg)
+    if env.max_tokens >= max_len:
+        refuse(
+            f"environment.max_tokens={env.max_tokens}",
+            f"must be below model={model.name}'s served length {max_len}",
+        )
+
+
+def check_cpu_fit(cfg: DictConfig) -> None:
+    """On a cluster without GPUs: the model must fit the node's memory, and not be FP8."""
+    cluster, model = cfg.cluster, cfg.model
+    if cluster.gpus_per_node:
+        return
+    quantization = model.inference.quantization
+    if quantization == "fp8":
+        raise PlanError(
+            f"model={model.name}: it is served in FP8, which needs GPUs, and cluster="
+            f"{cluster.name} has none (cluster.gpus_per_node=0); use a GPU cluster "
+            f"(cluster=slurm) or a model that runs on CPU (tiny, smollm2_135m, qwen3_0_6b)"
+        )
+    weights = DTYPE_BYTES.get(str(quantization or model.dtype), 4)
+    need_gb = model.total_params_b * (TRAIN_BYTES_PER_PARAM + weights)
+    if need_gb > cluster.mem_gb_per_node:
+        raise PlanError(
+            f"model={model.name}: its training state and served weights take ~{need_gb:.0f} GB "
+            f"and cluster={cluster.name} has no GPUs and {cluster.mem_gb_per_node} GB of memory "
+            f"per node; use a GPU cluster (cluster=slurm) or a smaller model"
+        )
+
+
+def check_expert_split(cfg: DictConfig) -> None:
+    model, inf = cfg.model, cfg.parallel.inference
+    if not model.num_experts or inf.expert_parallel or model.inference.quantization != "fp8":
+        return
+    width = model.moe_intermediate_size
+    if width % inf.tp or (width // inf.tp) % FP8_BLOCK:
+        raise PlanError(
+            f"parallel.inference.tp={inf.tp}: model={model.name}'s {width}-wide FP8 experts "
+            f"split {inf.tp} ways are {width / inf.tp:g} wide, not a multiple of the "
+            f"{FP8_BLOCK}-wide FP8 blocks; serve it with expert parallelism (parallel=ep8, or "
+            f"parallel.inference.expert_parallel=true)"
+        )
+
+
+def check_lora(cfg: DictConfig) -> str:
+    """A LoRA run's targets must be known and its rank within what the servers accept; returns
+    the plan's note on what is adapted ("" without LoRA)."""
+    model, inf = cfg.model, cfg.inference
+    if not lora.enabled(model):
+        return ""
+    try:
+        targets = lora.targets(model)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    rank = model.lora.rank
+    if inf.max_lora_rank is not None and rank > inf.max_lora_rank:
+        raise PlanError(
+            f"model.lora.rank={rank}: above inference.max_lora_rank={inf.max_lora_rank}, the "
+            f"largest adapter the servers accept (vLLM's --max-lora-rank); lower the rank or "
+            f"raise inference.max_lora_rank"
+        )
+    vllm = inference_backend(cfg) == Backend.vllm
+    if vllm and max(rank, inf.max_lora_rank or 0) > VLLM_LORA_RANKS[-1]:
+        raise PlanError(
+            f"model.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}"
+        )
+    if vllm and inf.weight_transport == WeightTransport.broadcast:
+        raise PlanError(
+            "inference.weight_transport=broadcast: vLLM loads LoRA adapters from their "
+            "directories (each a few MB); use inference.weight_transport=filesystem"
+        )
+    return (
+        f"LoRA rank {rank} (scale {lora.scale(model):g}) on {', '.join(targets)}: only the "
+        f"adapter trains and travels; version 0 is the base in full"
+    )
+
+
+def check_shared_inference(cfg: DictConfig) -> None:
+    """What a sweep point sharing inference (`inference.shared`) needs: a LoRA adapter (what
+    the shared service holds per point) on one machine's CPUs, loaded from disk."""
+    if not cfg.inference.shared:
+        return
+    key = "inference.shared=true"
+    if not lora.enabled(cfg.model):
+        raise PlanError(
+            f"{key}: the shared inference serves one base and each point's LoRA adapter; set "
+            f"model.lora.rank (for example model.lora.rank=16)"
+        )
+    slurm = cfg.cluster.kind == ClusterKind.slurm
+    if slurm and cfg.warmup.steps:
+        raise PlanError(
+            f"warmup.steps={cfg.warmup.steps}: on Slurm a shared sweep starts every point from "
+            f"the base it is given (model.path, for example a run's weights/step_0); set "
+            f"warmup.steps=0"
+        )
+    if not slurm and cfg.cluster.gpus_per_node:
+        raise PlanError(
+            f"{key} on one machine's GPUs: not built yet (each point's trainer needs GPUs of "
+            f"its own beside the service's); sweep with cluster=slurm, or without it"
+        )
+    if cfg.inference.weight_transport != WeightTransport.filesystem:
+        raise PlanError(
+            f"{key}: each point's adapter reaches the shared inference from its weights/ "
+            f"directory; use inference.weight_transport=filesystem"
+        )
+    if cfg.placement != Placement.split:
+        raise PlanError(
+            f"{key}: the points' trainers run beside the shared inference; use placement=split"
+        )
+
+
+def check_weight_transport(cfg: DictConfig) -> None:
+    inf = cfg.inference
+    if inf.weight_transport != WeightTransport.broadcast:
+        return
+    if inf.broadcast_backend == BroadcastBackend.nccl and not cfg.cluster.gpus_per_node:
+        refuse(
+            "inference.broadcast_backend=nccl",
+            f"NCCL needs GPUs and cluster={cfg.cluster.name} has none "
+            f"(use gloo, or leave it unset to choose by the cluster)",
+        )
+    if disaggregated(cfg):
+        refuse(
+            "inference.weight_transport=broadcast",
+            f"model={cfg.model.name} serves disaggregated prefill and decode replicas, which "
+            f"load weights from the filesystem only (use weight_transport=filesystem)",
+        )
+
+
+def weights_missing(cfg: DictConfig) -> str:
+    """Why this run has no weights to load ("" when it has): a hub model without `model.path`,
+    or a `model.path` that is not a checkpoint directory."""
+    model = cfg.model
+    if model.path:
+        path = Path(model.path)
+        if not (path / "config.json").is_file():
+            return f"model.path={model.path}: no HF checkpoint there (no config.json)"
+        return ""
+    if str(model.source) in LOCAL_SOURCES:
+        return ""
+    return (
+        f"model.path: model={model.name} is not built here and there is no model hub; set "
+        f"model.path to a local copy of {model.hf_id or model.name} (an HF checkpoint directory)"
+    )
+
+
+def check_weights(cfg: DictConfig) -> None:
+    """Refuse to start a run without weights (the launcher calls it once the plan is made; a
+    dry run shows the reason as a note instead)."""
+    if reason := weights_missing(cfg):
+        raise PlanError(reason)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from rl.config import register
+from rl.core.config import register
+from rl.core.paths import CONF
 
 register()
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(CONF)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -25,6 +25,11 @@ class PlanError(ValueError):
     """A config that cannot run; the message names the key and what would be valid."""
 
 
+def refuse(key: str, message: str) -> typing.NoReturn:
+    """Raise the PlanError `key: message`."""
+    raise PlanError(f"{key}: {message}")
+
+
 def _options(group: str) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
 
@@ -85,7 +90,7 @@ def _given_key(key: str) -> str:
 
 
 def schema_keys() -> list[str]:
-    """Every dotted key of the run's schema (rl/config.py's RunConfig and its groups)."""
+    """Every dotted key of the run's schema (rl/core/config.py's RunConfig and its groups)."""
     return _schema()[0]
 
 
@@ -96,7 +101,7 @@ def open_keys() -> list[str]:
 
 @cache
 def _schema() -> tuple[list[str], list[str]]:
-    from rl.config import RunConfig
+    from rl.core.config import RunConfig
 
     keys: list[str] = []
     dicts: list[str] = []

@@ -1,5 +1,5 @@
 """`rl --help`: each config group's options, then every setting with its default and the first
-sentence of its description, read from the schema's field docstrings (rl/config.py) without
+sentence of its description, read from the schema's field docstrings (rl/core/config.py) without
 importing anything heavy. `rl --cfg job` still prints the whole composed config."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rl import config
+from rl.core import config
+from rl.core.paths import CONF
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
 HEADER = """\
 rl: Relay, asynchronous RL for LLMs. Compose a run from config groups and override keys:
   uv run rl model=qwen3_0_6b environment=gsm8k max_steps=200

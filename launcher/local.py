@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from launcher.plan import RunPlan, plan_header
 from launcher.processes import (
     FINISHING_ROLES,
+    POLL_S,
     Child,
     Liveness,
     RunFailed,
@@ -29,9 +30,9 @@ from launcher.processes import (
     stop_children,
 )
 from launcher.report import finish_run, override, sweep_group
-from launcher.setup import prepare_run_dir
+from launcher.run_dir import prepare_run_dir
 from launcher.tracking import Follow
-from rl.rundir import RunDir, write_atomic
+from rl.core.rundir import RunDir, write_atomic
 
 WALL_EVERY_S = 5.0  # how often the run's wall time so far is saved (for a resume's summary)
 
@@ -111,7 +112,7 @@ def supervise(run_plan: RunPlan, run: RunDir, watch: Watch, follow: Follow) -> N
     while watch.done != finishing:
         watch.check()
         follow.poll()
-        time.sleep(0.2)
+        time.sleep(POLL_S)
 
 
 def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) -> None:

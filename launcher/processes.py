@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from rl.rundir import RunDir
-from rl.runtime import NAME_ENV, die_with_parent
+from rl.core.rundir import RunDir
+from rl.core.runtime import NAME_ENV, die_with_parent
 
 STOP_GRACE_S = 5.0
+POLL_S = 0.2
+"""How often a launcher (local, a Slurm job's supervisor, a shared sweep) looks at its roles."""
 # Roles whose clean exit means the run's work is done (the servers should never exit).
 FINISHING_ROLES = ("trainer", "orchestrator")
 
@@ -59,7 +61,7 @@ class Child:
 
 
 class Liveness:
-    """Tells a hung role from a live one by its heartbeats (rl/runtime.py's `Heartbeat`): each
+    """Tells a hung role from a live one by its heartbeats (rl/core/runtime.py's `Heartbeat`): each
     process of a role beats a counter into the run directory, and a role is hung once one of
     its processes has not beaten for `hung_s` (before its first beat, for `start_s`: imports
     and model loading come first). A stopped process (SIGSTOP), a frozen one, or a server

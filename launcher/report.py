@@ -2,7 +2,7 @@
 wandb run is logged while the run goes on: launcher/tracking.py).
 
 The local launcher and a Slurm run's control job both finish a run this way; it reads and
-writes only the run directory (rl/rundir.py), so it imports no launcher module.
+writes only the run directory (rl/core/rundir.py), so it imports no launcher module.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rl.config import RunConfig
-from rl.records import is_eval, is_train, kind_of
-from rl.rundir import RunDir, read_jsonl, write_atomic
+from rl.core.config import RunConfig
+from rl.core.records import is_eval, is_train, kind_of
+from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
 WEIGHT_BYTES = ("weights/update_bytes", "weights/full_bytes")
 LAST_STEPS = 10

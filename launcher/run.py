@@ -8,12 +8,12 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.checks import check_weights
 from launcher.errors import ConfigError
-from launcher.feasible import check_weights
 from launcher.plan import format_plan, plan
 from launcher.report import override
-from rl.config import Action, ClusterKind, RunConfig
-from rl.rundir import CONFIG, TOKEN, RunDir, write_atomic
+from rl.core.config import Action, ClusterKind, RunConfig
+from rl.core.rundir import CONFIG, TOKEN, RunDir, write_atomic
 
 
 def launch(cfg: DictConfig) -> None:
@@ -39,11 +39,11 @@ def launch(cfg: DictConfig) -> None:
         if not cfg.dry_run:
             check_weights(cfg)
         if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest
-            from launcher import shared
+            from launcher import shared_sweep
 
             if cfg.dry_run:
-                shared.print_service_plan(cfg)
-            shared.add_point(cfg)
+                shared_sweep.print_service_plan(cfg)
+            shared_sweep.add_point(cfg)
     except Exception:
         _remove_if_empty(run_dir)
         raise
@@ -62,7 +62,7 @@ def launch(cfg: DictConfig) -> None:
             _remove_if_empty(run_dir)
         return
     from launcher.local import run_local
-    from rl.model import ensure_checkpoint
+    from rl.core.model import ensure_checkpoint
 
     # Build or convert the model once here, not concurrently in every role (SmolLM2's GGUF
     # conversion takes about a minute); later calls find it in the cache.
@@ -81,7 +81,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     """Continue the run in `target` with the config it was started with, changed only by the
     overrides given that `resumable` allows (a larger `max_steps` extends a finished run)."""
     from launcher.report import read_records, read_summary
-    from rl.records import is_train
+    from rl.core.records import is_train
 
     run = RunDir(target)
     if not run.is_run():
@@ -121,7 +121,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
         resubmit(cfg_now, run_plan, run)
         return
     if cfg_now.inference.shared:  # a point of a sweep sharing inference: with the service
-        from launcher.shared import resume_point
+        from launcher.shared_sweep import resume_point
 
         resume_point(cfg_now, run_plan, run)
         return
@@ -137,7 +137,7 @@ def _check_ended(cfg: Any, run: RunDir) -> None:
 
         check_ended(run)
         return
-    from launcher.setup import running_roles
+    from launcher.run_dir import running_roles
 
     alive = running_roles(run)
     if alive:
@@ -186,7 +186,7 @@ def export(cfg: DictConfig, here: Path) -> None:
     """Print where the run's newest published version is as full HF weights (a LoRA run's
     adapter merged into its base first)."""
     from launcher.slurm import find_run
-    from rl.lora import export as export_weights
+    from rl.weights.lora import export as export_weights
 
     run = find_run(cfg, here)
     print(f"full weights: {export_weights(run)}")

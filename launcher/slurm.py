@@ -24,7 +24,7 @@ from launcher.errors import ConfigError
 from launcher.plan import RunPlan, sbatch_parameters
 from launcher.processes import FINISHING_ROLES
 from launcher.report import override, read_records, read_summary, sweep_group
-from launcher.setup import prepare_run_dir, running_roles
+from launcher.run_dir import prepare_run_dir, running_roles
 from launcher.slurm_cli import (
     JobState,
     Partition,
@@ -39,10 +39,10 @@ from launcher.slurm_cli import (
     write_jobs,
 )
 from launcher.supervisor import JobRoles
-from launcher.sweep import write_sweep_summary
+from launcher.sweep_summary import write_sweep_summary
 from launcher.tracking import ETA_WINDOW, duration
-from rl.records import is_eval, is_train
-from rl.rundir import CONFIG, RunDir
+from rl.core.records import is_eval, is_train
+from rl.core.rundir import CONFIG, RunDir
 
 
 def preflight(cfg: DictConfig, run_plan: RunPlan) -> str:

@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 
 from launcher.errors import ConfigError
-from rl.rundir import RunDir, write_atomic
+from rl.core.rundir import RunDir, write_atomic
 
 # Job states after which a job will not run again (a requeued job passes through PENDING).
 ENDED_BADLY = (

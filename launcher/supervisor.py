@@ -26,6 +26,7 @@ from launcher import slurm_cli
 from launcher.errors import ConfigError
 from launcher.processes import (
     FINISHING_ROLES,
+    POLL_S,
     Child,
     Liveness,
     RunFailed,
@@ -36,10 +37,10 @@ from launcher.processes import (
 )
 from launcher.report import finish_run
 from launcher.tracking import Follow
-from rl.rundir import SERVICE, RunDir, point_dirs, shared_service
-from rl.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
+from rl.core.rundir import SERVICE, RunDir, point_dirs, shared_service
+from rl.core.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
 
-POLL_S = 1.0
+SUPERVISE_S = 1.0  # how often the supervisor looks at its roles, the run and its peers
 PEER_POLL_S = 5.0
 # States a job can leave again (a preempted or failed node's job may be requeued).
 REQUEUABLE = ("PREEMPTED", "NODE_FAIL")
@@ -284,7 +285,7 @@ class NodeSupervisor:
         if cancel_self:  # end as CANCELLED, not FAILED: wait for Slurm's SIGTERM (bounded)
             deadline = time.monotonic() + CANCEL_WAIT_S
             while not self.stopping and time.monotonic() < deadline:
-                time.sleep(0.2)
+                time.sleep(POLL_S)
         self.stopping = True
         raise RunEnded(reason)
 
@@ -321,7 +322,7 @@ class NodeSupervisor:
             age = time.time() - request.stat().st_mtime
         except FileNotFoundError:
             return False
-        if age <= max(self.checkpoint_budget_s(), TERM_CHECKPOINT_S) + POLL_S:
+        if age <= max(self.checkpoint_budget_s(), TERM_CHECKPOINT_S) + SUPERVISE_S:
             return True
         if self.job == "trainer":
             self.log.warning("removing a stale checkpoint request (%.0f s old)", age)
@@ -391,7 +392,7 @@ class NodeSupervisor:
             if time.monotonic() - last_peer_check > PEER_POLL_S:
                 self.check_peers(peers)
                 last_peer_check = time.monotonic()
-            time.sleep(POLL_S)
+            time.sleep(SUPERVISE_S)
 
     def _terminated(self, signum: int, frame: object) -> None:
         """scancel, `scontrol requeue`, node loss, preemption or the time limit: the roles are
@@ -419,7 +420,7 @@ class NodeSupervisor:
             self.rundir.checkpoint_request.touch()
             deadline = time.monotonic() + budget
             while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
-                time.sleep(0.2)
+                time.sleep(POLL_S)
             marker = self.rundir.checkpointed
             if marker.exists():
                 self.log.info("trainer checkpointed at step %s; stopping", marker.read_text())

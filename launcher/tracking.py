@@ -20,8 +20,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rl.records import RecordKind, kind_of
-from rl.rundir import RunDir, write_atomic
+from rl.core.records import RecordKind, kind_of
+from rl.core.rundir import RunDir, write_atomic
 
 ETA_WINDOW = 20
 """Steps the ETA's pace is taken over."""

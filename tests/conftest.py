@@ -1,7 +1,7 @@
 """pytest hooks: tests marked `gpu` are skipped where torch sees no CUDA device.
 
 Helpers that tests and benchmarks share (composing a run, writing a run directory, starting a
-role) live in rl/testing.py.
+role) live in tests/support/runs.py.
 """
 
 from __future__ import annotations

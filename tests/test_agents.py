@@ -1,8 +1,9 @@
 """Bring your own agent: agents written with the official `openai` client play episodes through
-the proxy (rl/agents.py) against a real embedded inference server. The recorded samples must
-hold exactly the tokens the server sampled, drifted histories must be caught and counted, and
-agents that raise, hang or send garbage must end only their own episode. The last test trains a
-whole run through this route with docs/agents/wordle_agent.py and misbehaving agents mixed in."""
+the proxy (rl/orchestrator/agent_proxy.py) against a real embedded inference server. The recorded
+samples must hold exactly the tokens the server sampled, drifted histories must be caught and
+counted, and agents that raise, hang or send garbage must end only their own episode. The last test
+trains a whole run through this route with docs/agents/wordle_agent.py and misbehaving agents mixed
+in."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ import httpx
 import openai
 import pytest
 
-from rl.advantages import ADVANTAGES
-from rl.agents import AgentEnvironment, Task
-from rl.chat import ChatTemplate
-from rl.orchestrator import InferenceClient, score_group
-from rl.testing import ROOT, TOKEN, compose_run, embedded_server
+from rl.core.chat import ChatTemplate
+from rl.core.records import Episode
+from rl.inference.client import InferenceClient
+from rl.orchestrator.advantages import ADVANTAGES
+from rl.orchestrator.agents import AgentEnvironment, Task
+from rl.orchestrator.scoring import score_group
+from tests.support.runs import ROOT, TOKEN, compose_run, embedded_server
 
 pytestmark = pytest.mark.slow
 RELEASE = threading.Event()  # set at teardown: ends the "hung" agents' threads
@@ -56,9 +59,9 @@ def chat(task: Task) -> openai.OpenAI:
     return openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
 
 
-def model_spans(choice: dict[str, Any]) -> list[list[int]]:
+def model_spans(choice: Episode) -> list[list[int]]:
     """The completion's model turns: the token runs between the added (masked) spans."""
-    ids, spans, at, runs = choice["token_ids"], choice["env_spans"], 0, []
+    ids, spans, at, runs = choice.completion_ids, choice.env_spans, 0, []
     for begin, end in [*spans, [len(ids), len(ids)]]:
         if begin > at:
             runs.append(ids[at:begin])
@@ -91,25 +94,25 @@ def test_recorded_tokens_are_those_sampled_across_turns(server: Any) -> None:
     env = environment(server, agent)
     (choice,) = play(env, server)
     assert [t["ids"] for t in turns] == model_spans(choice)  # every sampled token, as sampled
-    assert choice["prompt_token_ids"] == turns[0]["prompt"]
-    whole = choice["prompt_token_ids"] + choice["token_ids"]
+    assert choice.prompt_ids == turns[0]["prompt"]
+    whole = choice.prompt_ids + choice.completion_ids
     for turn in turns:  # each turn continued from the exact tokens before it
         assert whole[: len(turn["prompt"])] == turn["prompt"]
         assert whole[len(turn["prompt"]) : len(turn["prompt"]) + len(turn["ids"])] == turn["ids"]
-    logprobs = choice["logprobs"]["token_logprobs"]
-    assert len(choice["env_spans"]) == 2
-    for begin, end in choice["env_spans"]:
+    logprobs = choice.logprobs
+    assert len(choice.env_spans) == 2
+    for begin, end in choice.env_spans:
         assert logprobs[begin:end] == [0.0] * (end - begin)  # added: no loss
     sampled = [lp for t in turns for lp in t["logprobs"]]
-    masked = {i for b, e in choice["env_spans"] for i in range(b, e)}
+    masked = {i for b, e in choice.env_spans for i in range(b, e)}
     assert [lp for i, lp in enumerate(logprobs) if i not in masked] == pytest.approx(sampled)
     # What the agent added was tokenized once, as the template writes it after a model turn.
     template = ChatTemplate(server.tokenizer)
-    begin, end = choice["env_spans"][0]
-    added = server.tokenizer.decode(choice["token_ids"][begin:end])
+    begin, end = choice.env_spans[0]
+    added = server.tokenizer.decode(choice.completion_ids[begin:end])
     after = template.after_turn([{"role": "user", "content": "feedback 0: xxgyy"}], None)
     assert added.endswith(after)
-    transcript = choice["turns"]
+    transcript = choice.turns
     assert env.score(env.train_examples()[0], transcript) == 0.25
     assert transcript.stats["template_drift"] == 0 and transcript.stats["turns"] == 3
 
@@ -136,8 +139,8 @@ def test_a_refused_turn_leaves_the_episode_as_it_was(server: Any) -> None:
 
     (choice,) = play(environment(server, agent), server)
     assert seen["code"] == "context_length_exceeded"
-    assert choice["turns"].stats["template_drift"] == 0 and len(choice["env_spans"]) == 1
-    whole = choice["prompt_token_ids"] + choice["token_ids"]
+    assert choice.turns.stats["template_drift"] == 0 and len(choice.env_spans) == 1
+    whole = choice.prompt_ids + choice.completion_ids
     assert whole[: len(seen["prompt"])] == seen["prompt"]
     assert "x" * 20 not in server.tokenizer.decode(whole)
 
@@ -165,11 +168,11 @@ def test_drift_starts_a_new_sample(server: Any) -> None:
     turns: list[dict[str, Any]] = []
     env = environment(server, drifting_agent(turns))  # on_drift: new_sample (the default)
     (choice,) = play(env, server)
-    assert choice["turns"].stats["template_drift"] == 1
-    assert choice["turns"].stats["samples"] == 2
-    (first,) = choice["segments"]
-    assert first["prompt_token_ids"] == turns[0]["prompt"]
-    assert first["token_ids"] == turns[0]["ids"]
+    assert choice.turns.stats["template_drift"] == 1
+    assert choice.turns.stats["samples"] == 2
+    (first,) = choice.earlier
+    assert first.prompt_ids == turns[0]["prompt"]
+    assert first.completion_ids == turns[0]["ids"]
     # The new sample starts from the request as sent, rendered and tokenized once.
     template = ChatTemplate(server.tokenizer)
     sent = [
@@ -177,9 +180,9 @@ def test_drift_starts_a_new_sample(server: Any) -> None:
         {"role": "assistant", "content": "edited 0"},
         {"role": "user", "content": "go on"},
     ]
-    assert choice["prompt_token_ids"] == template.encode(template.render(sent, None, True))
-    assert choice["prompt_token_ids"] == turns[1]["prompt"]
-    assert choice["token_ids"] == turns[1]["ids"]
+    assert choice.prompt_ids == template.encode(template.render(sent, None, True))
+    assert choice.prompt_ids == turns[1]["prompt"]
+    assert choice.completion_ids == turns[1]["ids"]
     # Both samples train, with the episode's reward and advantage.
     example = env.train_examples()[0]
     group = score_group(env, ADVANTAGES["group_mean"], example, [choice, choice], 0.0, 12)
@@ -191,7 +194,7 @@ def test_keep_sampled_continues_from_the_sampled_tokens(server: Any) -> None:
     turns: list[dict[str, Any]] = []
     env = environment(server, drifting_agent(turns), on_drift="keep_sampled")
     (choice,) = play(env, server)
-    assert choice["turns"].stats["template_drift"] == 1 and choice["segments"] == []
+    assert choice.turns.stats["template_drift"] == 1 and choice.earlier == []
     assert turns[1]["prompt"][: len(turns[0]["prompt"]) + len(turns[0]["ids"])] == (
         turns[0]["prompt"] + turns[0]["ids"]
     )
@@ -248,15 +251,15 @@ def test_failing_agents_end_only_their_episode(server: Any, caplog: Any) -> None
     played = [c for c in choices if c is not None]
     assert len(played) == len(KINDS) - 1  # only the agent that never asked has no sample
     example = env.train_examples()[0]
-    rewards = sorted(env.score(example, c["turns"]) for c in played)
+    rewards = sorted(env.score(example, c.turns) for c in played)
     assert rewards == [0.0, 0.0, 0.0, 0.0, 0.5]
-    failed = sorted(c["turns"].stats["agent_failed"] for c in played)
+    failed = sorted(c.turns.stats["agent_failed"] for c in played)
     assert failed == [0.0, 1.0, 1.0, 1.0, 1.0]
-    assert sum(c["turns"].stats["agent_timeout"] for c in played) == 1
+    assert sum(c.turns.stats["agent_timeout"] for c in played) == 1
     # The proxy still serves the next episode.
     env.agent = misbehaving("fine")
     (again,) = play(env, server)
-    assert env.score(example, again["turns"]) == 0.5
+    assert env.score(example, again.turns) == 0.5
 
 
 def test_a_program_agent_gets_its_endpoint_in_the_environment(server: Any, tmp_path: Path) -> None:
@@ -271,8 +274,8 @@ def test_a_program_agent_gets_its_endpoint_in_the_environment(server: Any, tmp_p
     )
     env = environment(server, None, agent="''", command=f"[{sys.executable},{script}]")
     (choice,) = play(env, server)
-    assert env.score(env.train_examples()[0], choice["turns"]) == 0.75
-    assert choice["turns"].stats["turns"] == 1
+    assert env.score(env.train_examples()[0], choice.turns) == 0.75
+    assert choice.turns.stats["turns"] == 1
 
 
 FAULTY = ROOT / "tests" / "agents" / "faulty_wordle.py"

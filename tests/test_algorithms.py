@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rl.advantages import group_mean, rloo, zscore
-from rl.algorithms import LOSSES, loss_stats, reduce
-from rl.config import AlgorithmConfig
+from rl.core.config import AlgorithmConfig
+from rl.orchestrator.advantages import group_mean, rloo, zscore
+from rl.trainer.losses import LOSSES, loss_stats, reduce
 
 PARAMS = replace(AlgorithmConfig(name="test"), log_ratio_coef=0.0)
 

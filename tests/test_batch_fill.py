@@ -9,13 +9,13 @@ import logging
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
-from rl.advantages import ADVANTAGES
+from rl.core.records import Completion, Episode
+from rl.core.rundir import RunDir
 from rl.envs import Example, make_environment
-from rl.orchestrator import MAX_FILL_ROUNDS, Orchestrator
-from rl.rundir import RunDir
-from rl.testing import compose_run
+from rl.orchestrator.advantages import ADVANTAGES
+from rl.orchestrator.loop import MAX_FILL_ROUNDS, Orchestrator
+from tests.support.runs import compose_run
 
 PROMPTS, GROUP = 8, 4
 
@@ -26,16 +26,9 @@ def flat(example: Example, every: int) -> bool:
     return zlib.crc32(example.prompt.encode()) % every == 0
 
 
-def choice(text: str) -> dict[str, Any]:
-    return {
-        "text": text,
-        "token_ids": [5, 6],
-        "logprobs": {"token_logprobs": [-0.5, -0.5]},
-        "prompt_token_ids": [1, 7, 8],
-        "policy_version": 0,
-        "policy_version_max": 0,
-        "finish_reason": "stop",
-    }
+def choice(text: str) -> Episode:
+    """A single-turn rollout answering `text` (two stand-in tokens)."""
+    return Episode.of(Completion([1, 7, 8], [5, 6], [-0.5, -0.5], text, "stop", 0, 0))
 
 
 def orchestrator(tmp_path: Path, rounds: list[list[int]], every: int) -> Orchestrator:
@@ -56,7 +49,7 @@ def orchestrator(tmp_path: Path, rounds: list[list[int]], every: int) -> Orchest
     orch.push = lambda groups, step: orch.pushed.append(groups)  # type: ignore[attr-defined]
     orch.save_rollouts = lambda *args: None  # type: ignore[method-assign]
 
-    def rollouts(examples: list[Example], n: int, temperature: float) -> list[dict[str, Any]]:
+    def rollouts(examples: list[Example], n: int, temperature: float) -> list[Episode]:
         rounds[-1].append(len(examples))
         return [
             choice(e.answer if flat(e, every) or k == 0 else "zz")

@@ -15,14 +15,16 @@ from typing import Any
 
 import pytest
 
-from rl.advantages import group_mean
+from rl.core.model import build_char_tokenizer
+from rl.core.records import Completion, Episode
 from rl.envs import Environment, Example, RewardOutOfRange, make_environment
 from rl.envs.code_repair import CodeRepair
 from rl.envs.code_repair.tasks import Task, make_task
 from rl.envs.code_repair.tools import ToolCall
-from rl.model import build_char_tokenizer
-from rl.orchestrator import run_episodes, score_group
-from rl.testing import ROOT, compose_run
+from rl.orchestrator.advantages import group_mean
+from rl.orchestrator.episodes import run_episodes
+from rl.orchestrator.scoring import score_group
+from tests.support.runs import ROOT, compose_run
 
 SAMPLE = 12  # eval tasks the scripted and random policies play
 
@@ -203,26 +205,18 @@ class ScriptedClient:
     def complete_all(self, prompts: list[list[int]], n: int, max_tokens: int, t: float) -> Any:
         return [self.answer(prompt) for prompt in prompts]
 
-    def answer(self, prompt: list[int]) -> dict[str, Any]:
+    def answer(self, prompt: list[int]) -> Completion:
         i = next(i for i, (ids, _) in enumerate(self.openings) if prompt[: len(ids)] == ids)
         text = self.policy(self.openings[i][1], self.turns[i])
         self.turns[i] += 1
         ids = [4 + ord(c) % 50 for c in text] or [4]
-        return {
-            "text": text,
-            "token_ids": ids,
-            "logprobs": {"token_logprobs": [-1.0] * len(ids)},
-            "finish_reason": "stop",
-            "prompt_token_ids": prompt,
-            "policy_version": 0,
-            "policy_version_max": 0,
-        }
+        return Completion(prompt, ids, [-1.0] * len(ids), text, "stop", 0, 0)
 
 
-def play(env: CodeRepair, examples: list[Example], policy: Any) -> list[dict[str, Any]]:
+def play(env: CodeRepair, examples: list[Example], policy: Any) -> list[Episode]:
     """Episodes of `policy(example, turn) -> text` through the orchestrator's rollout loop."""
     client = ScriptedClient(env, examples, policy)
-    tokenizer = env.format.tokenizer  # type: ignore[union-attr]
+    tokenizer = env.template.tokenizer  # type: ignore[union-attr]
     return run_episodes(client, env, tokenizer, examples, 1, 96, 1.0, 100_000)  # type: ignore[arg-type]
 
 
@@ -242,9 +236,9 @@ def test_a_scripted_policy_solves_tasks_through_the_tool_interface(env: CodeRepa
     examples = env.eval_examples()
     choices = play(env, examples, scripted)
     for example, choice in zip(examples, choices, strict=True):
-        assert choice["turns"][-1] == "The tests pass now."
-        assert len(choice["env_spans"]) == 4  # one tool turn after each tool-calling turn
-        assert "passed, 0 failed" in choice["text"]
+        assert choice.turns[-1] == "The tests pass now."
+        assert len(choice.env_spans) == 4  # one tool turn after each tool-calling turn
+        assert "passed, 0 failed" in choice.text
         group = score_group(env, group_mean, example, [choice])
         sample = group.samples[0]
         assert sample.reward == 1.0
@@ -252,7 +246,7 @@ def test_a_scripted_policy_solves_tasks_through_the_tool_interface(env: CodeRepa
             "tool_calls": 5, "tool_errors": 0, "edits": 1, "test_runs": 2, "turns": 5,
             "answered": 1.0,
         }  # fmt: skip
-        assert env.exact_match(example, choice["turns"])
+        assert env.exact_match(example, choice.turns)
 
 
 def test_a_random_policy_scores_low(env: CodeRepair) -> None:
@@ -277,7 +271,7 @@ def test_a_random_policy_scores_low(env: CodeRepair) -> None:
 
     examples = env.eval_examples()
     choices = play(env, examples, random_turn)
-    rewards = [env.reward(e, c["turns"]) for e, c in zip(examples, choices, strict=True)]
+    rewards = [env.reward(e, c.turns) for e, c in zip(examples, choices, strict=True)]
     assert sum(rewards) / len(rewards) < 0.2, rewards
 
 

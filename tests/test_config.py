@@ -8,8 +8,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from rl.config import GROUPS
-from rl.testing import ROOT, compose_run, options
+from rl.core.config import GROUPS
+from tests.support.runs import ROOT, compose_run, options
 
 
 def rl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -74,7 +74,7 @@ def test_help_lists_groups_and_documented_settings() -> None:
     for group in GROUPS:
         assert any(x.split() and x.split()[0] == group for x in lines), group
     assert "glm5" in out.stdout and "ep8" in out.stdout and "[reverse_text]" in out.stdout
-    # Each setting with its composed value and its description from rl/config.py.
+    # Each setting with its composed value and its description from rl/core/config.py.
     lr = next(x for x in lines if x.strip().startswith("algorithm.lr="))
     assert lr.split()[0] == "algorithm.lr=0.0003" and "the one the trainer uses" in lr
     assert any(x.split()[:3] == ["max_steps=300", "RL", "trainer"] for x in lines if x.strip())
@@ -154,8 +154,8 @@ def test_dry_run_glm5_slurm_prints_plan() -> None:
 
 
 def test_loss_registry_matches_schema() -> None:
-    from rl.algorithms import LOSSES
-    from rl.config import Loss
+    from rl.core.config import Loss
+    from rl.trainer.losses import LOSSES
 
     assert set(LOSSES) == {loss.value for loss in Loss}
     assert set(options("algorithm")) == set(LOSSES)
@@ -200,7 +200,7 @@ def test_runs_are_named_after_the_environments_identity() -> None:
 
 
 def test_sweep_points_are_named_after_their_overrides() -> None:
-    from rl.config import dirname
+    from rl.core.config import dirname
 
     assert dirname("algorithm.lr=0.001,max_steps=4") == "algorithm.lr=0.001,max_steps=4"
     assert dirname("model.path=/data/w/step_4") == "model.path=_data_w_step_4"  # one level

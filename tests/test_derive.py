@@ -1,11 +1,11 @@
-"""Values derived from a run config (rl/derive.py): each decided in one place, used by the
+"""Values derived from a run config (rl/core/derive.py): each decided in one place, used by the
 planner and by the roles. No torch here."""
 
 from __future__ import annotations
 
 import pytest
 
-from rl.derive import (
+from rl.core.derive import (
     LayoutError,
     ParallelDims,
     broadcast_backend,
@@ -14,7 +14,7 @@ from rl.derive import (
     max_model_len,
     trainer_dims,
 )
-from rl.testing import compose_run
+from tests.support.runs import compose_run
 
 
 def test_parallel_dims_are_checked_without_a_mesh() -> None:

@@ -27,10 +27,10 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.plan import plan
-from rl.config import EnvironmentConfig
+from rl.core.config import EnvironmentConfig
+from rl.core.records import is_train
 from rl.envs import BUILT_IN, ENTRY_POINT_GROUP, Example, make_environment, registry
-from rl.records import is_train
-from rl.testing import ROOT, compose_run
+from tests.support.runs import ROOT, compose_run
 
 DOC = ROOT / "docs" / "environments.md"
 PACKAGE = "relay-games"

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from rl.rundir import RunDir
-from rl.testing import ROOT
-from tests.faults import KillAtStep, KillInTurn, trained_steps
-from tests.test_run import assert_no_process_left
+from rl.core.rundir import RunDir
+from tests.support.faults import KillAtStep, KillInTurn, trained_steps
+from tests.support.runs import ROOT, assert_no_process_left
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.testing import ROOT
+from rl.core.paths import ROOT
 
 PACKAGES = ("launcher", "rl")
 
@@ -146,9 +146,10 @@ def cycles(package: str) -> list[str]:
 
 def test_the_graph_sees_lazy_and_from_imports() -> None:
     graph = import_graph()
-    assert "rl.config" in graph["rl.derive"]  # `from rl.config import ...`
-    assert "rl.envs" in graph["launcher.plan"]  # `from rl.envs import locate` (a name)
-    assert "rl.testing" in graph  # tests' helpers are in the package, and counted
+    assert "rl.core.config" in graph["rl.core.derive"]  # `from rl.core.config import ...`
+    assert "rl.envs" in graph["launcher.checks"]  # `from rl.envs import locate` (a name)
+    assert "rl.orchestrator.agents" in graph["launcher.checks"]  # inside a function
+    assert not any(m.startswith("tests") for m in graph)  # test helpers are not shipped
 
 
 def test_launcher_has_no_import_cycle() -> None:
@@ -156,42 +157,79 @@ def test_launcher_has_no_import_cycle() -> None:
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
-# rl/weights/base.py's factories import the transports that import base.py (being reworked in
-# rl/weights/ now); strict, so this marker must go once that cycle is gone.
 def test_rl_has_no_import_cycle() -> None:
     found = cycles("rl")
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
-# The launcher's layers: a module imports only modules of the layers before its own.
+# Each package's layer: a module imports only modules of its own package or of a layer below
+# it. rl/: the core every role shares, then environments and the weight transport, then the
+# servers (queue, inference: the orchestrator calls the inference servers' client and API
+# layer), then the roles that drive them; no role imports another of its layer.
+RL_LAYERS = (
+    ("rl", "rl.core"),
+    ("rl.envs", "rl.weights"),
+    ("rl.queue", "rl.inference"),
+    ("rl.orchestrator", "rl.trainer"),
+)
+# launcher/: each module is a package of its own.
 LAUNCHER_LAYERS = (
     ("launcher", "launcher.errors", "launcher.gpus", "launcher.help", "launcher.report"),
-    ("launcher.tracking",),
-    ("launcher.checks", "launcher.feasible"),
+    ("launcher.tracking", "launcher.sizing"),
+    ("launcher.vllm_args",),
+    ("launcher.checks",),
     ("launcher.plan",),
-    ("launcher.setup", "launcher.processes", "launcher.slurm_cli"),
-    ("launcher.sweep",),
+    ("launcher.run_dir", "launcher.processes", "launcher.slurm_cli"),
+    ("launcher.sweep_summary",),
     ("launcher.local", "launcher.supervisor"),
     ("launcher.slurm",),
-    ("launcher.shared",),
+    ("launcher.shared_sweep",),
     ("launcher.run",),
     ("launcher.cli",),
 )
 
 
-def test_launcher_modules_import_only_lower_layers() -> None:
-    layer = {module: i for i, modules in enumerate(LAUNCHER_LAYERS) for module in modules}
-    graph = import_graph()
-    unplaced = [m for m in graph if m.startswith("launcher") and m not in layer]
-    assert not unplaced, f"add {unplaced} to LAUNCHER_LAYERS"
-    upward = [
-        f"{module} imports {target} (line {line})"
-        for module, edges in graph.items()
-        if module in layer
-        for target, line in edges.items()
-        if target in layer and layer[target] >= layer[module]
+def package_of(module: str, layers: tuple[tuple[str, ...], ...]) -> str | None:
+    """The longest package of `layers` that `module` is or lies in."""
+    found = [
+        package
+        for layer in layers
+        for package in layer
+        if module == package or module.startswith(f"{package}.")
     ]
+    return max(found, key=len, default=None)
+
+
+@pytest.mark.parametrize(
+    ("root", "layers"), [("rl", RL_LAYERS), ("launcher", LAUNCHER_LAYERS)], ids=["rl", "launcher"]
+)
+def test_modules_import_only_lower_layers(root: str, layers: tuple[tuple[str, ...], ...]) -> None:
+    level = {package: i for i, packages in enumerate(layers) for package in packages}
+    graph = import_graph()
+    mine = [m for m in graph if m == root or m.startswith(f"{root}.")]
+    unplaced = [
+        m for m in mine if package_of(m, layers) is None or (root == "launcher" and m not in level)
+    ]
+    assert not unplaced, f"add {unplaced} to the layers"
+    upward = []
+    for module in mine:
+        package = package_of(module, layers)
+        for target, line in graph[module].items():
+            theirs = package_of(target, layers)
+            if theirs is None or theirs == package or package == root == theirs:
+                continue
+            if level[theirs] >= level[package]:
+                upward.append(f"{module} imports {target} (line {line})")
     assert not upward, "\n".join(upward)
+
+
+def test_every_package_of_rl_is_placed() -> None:
+    """The layers name every package of rl/ (a new package gets a place), and only those."""
+    packages = {
+        ".".join(p.relative_to(ROOT).parts[:-1]) for p in (ROOT / "rl").glob("*/__init__.py")
+    }
+    placed = {package for layer in RL_LAYERS for package in layer} - {"rl"}
+    assert packages == placed
 
 
 def test_roles_import_nothing_from_the_launcher() -> None:
@@ -209,7 +247,15 @@ def test_roles_import_nothing_from_the_launcher() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["launcher.cli", "launcher.plan", "launcher.run", "rl.config", "rl.derive", "rl.rundir"],
+    [
+        "launcher.cli",
+        "launcher.plan",
+        "launcher.run",
+        "rl.core.config",
+        "rl.core.derive",
+        "rl.core.rundir",
+        "rl.envs",
+    ],
 )
 def test_config_path_imports_no_torch(module: str) -> None:
     """`rl --help` and a dry run stay fast: the CLI and planner never load torch."""
@@ -217,3 +263,33 @@ def test_config_path_imports_no_torch(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"importing {module} loads torch"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_functions_read_on_a_screen() -> None:
+    """No function of rl/ or launcher/ is longer than a screen: longer ones are split into
+    calls that each say what they do."""
+    long = []
+    for module, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name} (line {node.lineno}): {lines} lines")
+    assert not long, "\n".join(long)
+
+
+def test_shipped_code_needs_no_test_tools() -> None:
+    """pytest is a development dependency: nothing under rl/ or launcher/ imports it."""
+    found = [
+        f"{module} (line {line})"
+        for module, path in module_files().items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in _imported(node, module, path)
+        if name == "pytest" or name.startswith("pytest.")
+        for line in [node.lineno]
+    ]
+    assert not found, found

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,30 +26,26 @@ import torch
 import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
-from rl.generation import generate
-from rl.inference import Engine, build_app
-from rl.model import (
+from rl.core.model import (
     encode_prompt,
     ensure_checkpoint,
     load_model,
     load_tokenizer,
     publish_weights,
 )
-from rl.runtime import auth_headers, listen_socket, wait_for_address
-from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
+from rl.core.paths import ROOT
+from rl.core.runtime import auth_headers, listen_socket
+from rl.inference.engine import Engine
+from rl.inference.generation import generate
+from rl.inference.server import build_app
 from rl.weights.broadcast import InferenceBroadcaster
+from tests.support import inference
+from tests.support.inference import complete
+from tests.support.runs import TOKEN, compose_run
+
+cache, server = inference.cache, inference.server  # the module's server fixtures
 
 PROMPTS = ["hello world", "ab", "the quick brown fox jumps over"]
-TOKEN = "test-token"
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A private RELAY_CACHE so the tiny model is built here (and inherited by servers)."""
-    with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp("relay_cache")
-        mp.setenv("RELAY_CACHE", str(path))
-        yield path
 
 
 @pytest.fixture(scope="module")
@@ -172,28 +167,6 @@ def test_seeded_rows_ignore_batch_neighbours(tiny: tuple[Any, Any]) -> None:
     shared = seeded()
     mixed = generate(model, tokenizer, prompts, 16, 1.0, [shared, None, None])[0]
     assert mixed.token_ids == alone.token_ids
-
-
-@pytest.fixture(scope="module")
-def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A real `python -m rl.inference` process; ended by its process group id."""
-    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
-    proc = start_role("inference", run_dir, "--replica", "0")
-    try:
-        try:
-            url = wait_for_address(run_dir, "inference-0", timeout=120)
-        except TimeoutError:
-            pytest.fail((run_dir / "inference.log").read_text())
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
-            yield SimpleNamespace(client=client, url=url, run_dir=run_dir, proc=proc)
-    finally:
-        stop_role(proc)
-    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status still names it.
-    assert proc.returncode in (0, -signal.SIGTERM)
-
-
-def complete(client: httpx.Client, **body: Any) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": "tiny", **body})  # or body's model
 
 
 @pytest.mark.slow
@@ -480,6 +453,7 @@ class MiscountingBroadcaster(InferenceBroadcaster):
 def test_broadcast_to_a_missing_receiver_fails_naming_it_then_recovers(
     server: Any, cfg: DictConfig, checkpoint: Path
 ) -> None:
+
     cfg = copy.deepcopy(cfg)
     cfg.inference.broadcast_timeout_s = 2
     model = load_model(checkpoint)

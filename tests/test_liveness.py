@@ -1,5 +1,5 @@
 """Hung roles are found and restarted: a stopped process, a server whose /health fails, while a
-live one is left alone (launcher/processes.py's Liveness, rl/runtime.py's Heartbeat).
+live one is left alone (launcher/processes.py's Liveness, rl/core/runtime.py's Heartbeat).
 
 Each test starts a small real role process through the launcher's own `spawn` and watches it
 with `check_children`, as the local launcher and the Slurm supervisor do.
@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 
 from launcher.processes import Child, Liveness, RunFailed, check_children, spawn, stop_children
-from rl.rundir import RunDir
-from rl.testing import ROOT
+from rl.core.rundir import RunDir
+from tests.support.runs import ROOT
 
 HUNG_S = 2.0
 # A role that beats from a thread and otherwise sleeps (like a trainer waiting for a batch).
 SLEEPER = """
 import sys, time
 from pathlib import Path
-from rl.runtime import start_heartbeat
+from rl.core.runtime import start_heartbeat
 start_heartbeat(Path(sys.argv[1]), float(sys.argv[2]))
 time.sleep(300)
 """
@@ -36,7 +36,7 @@ SERVER = """
 import json, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from rl.runtime import start_heartbeat, write_address
+from rl.core.runtime import start_heartbeat, write_address
 
 run, hung_s, code = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 
@@ -216,7 +216,7 @@ def test_a_weight_load_during_a_vllm_restart_waits_for_the_new_vllm(
 
     import httpx
 
-    from rl import vllm_backend
+    from rl.inference import vllm as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "check_checkpoint", lambda path: None)
     rpcs: list[str] = []
@@ -261,7 +261,7 @@ def test_a_lost_node_restarts_its_replica_even_under_a_hung_load(
 
     import httpx
 
-    from rl import vllm_backend
+    from rl.inference import vllm as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "check_checkpoint", lambda path: None)
     vllm = StubVllm()

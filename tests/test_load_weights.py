@@ -20,10 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rl.model import ensure_checkpoint, load_model, publish_weights
-from rl.rundir import COMPLETE, RunDir, mark_complete
-from rl.runtime import auth_headers, read_address
-from rl.testing import TOKEN, embedded_server
+from rl.core.model import ensure_checkpoint, load_model, publish_weights
+from rl.core.rundir import COMPLETE, RunDir, mark_complete
+from rl.core.runtime import auth_headers, read_address
 from rl.weights.broadcast import InferenceBroadcaster
 from rl.weights.published import (
     RefusedWeights,
@@ -31,6 +30,7 @@ from rl.weights.published import (
     published_dir,
     read_checkpoint,
 )
+from tests.support.runs import TOKEN, embedded_server
 
 
 def fake_step(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -115,7 +115,7 @@ def test_published_weights_are_fsynced_files_and_directories(
     """Every weight file, the step directory (before the rename) and weights/ (after it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rl.model import build_char_tokenizer
+    from rl.core.model import build_char_tokenizer
 
     synced: list[tuple[str, bool]] = []  # (path, whether the target existed yet)
     real_fsync = os.fsync
@@ -256,7 +256,7 @@ class CheckedFront:
         import asyncio
         import logging
 
-        from rl.vllm_backend import VllmFrontend
+        from rl.inference.vllm import VllmFrontend
 
         self.version, self.loaded = -1, []
         self.model_name, self.adapters, self.shared, self.base_points = "tiny", {}, False, {}
@@ -274,7 +274,7 @@ class CheckedFront:
 def test_the_vllm_front_refuses_what_the_embedded_engine_refuses(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from rl.vllm_backend import VllmFrontend, build_app
+    from rl.inference.vllm import VllmFrontend, build_app
 
     run = RunDir(tmp_path)
     for version, value in ((1, 1.0), (2, float("nan")), (3, 1.0)):

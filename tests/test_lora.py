@@ -26,18 +26,30 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from launcher.errors import PlanError
 from launcher.plan import plan
-from rl import lora
-from rl.generation import generate
-from rl.inference import CompletionJob, Engine, LoadJob
-from rl.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
-from rl.records import is_train
-from rl.rundir import RunDir
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
+from rl.core import lora
+from rl.core.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
+from rl.core.records import is_train
+from rl.core.rundir import RunDir
+from rl.core.runtime import auth_headers, wait_for_address
+from rl.inference import adapters
+from rl.inference.engine import CompletionJob, Engine, LoadJob
+from rl.trainer import lora as lora_trainer
+from rl.weights import lora as lora_weights
 from rl.weights.broadcast import InferenceBroadcaster
-from tests import dist_workers
-from tests.test_parallel import RTOL, assert_same_gradients, cache, prepare  # noqa: F401
-from tests.test_run import run_to_end
+from tests.support import dist_workers, parallel
+from tests.support.lora import PROMPTS, adapted, greedy_ids, load, served_greedy
+from tests.support.parallel import RTOL, assert_same_gradients, prepare
+from tests.support.runs import (
+    ROOT,
+    TOKEN,
+    compose_run,
+    run_to_end,
+    start_role,
+    stop_role,
+    write_run_dir,
+)
+
+cache = parallel.cache  # the module's model cache (a fixture)
 
 LORA = ("model.lora.rank=8", "warmup.steps=2", "warmup.batch_size=8")
 TARGETS = 4 * 2  # the tiny model's attention projections, two blocks
@@ -76,19 +88,25 @@ def test_only_the_adapter_trains_after_a_warm_up_of_the_base(runs: dict[str, Pat
     first, last = saved(run_dir, "straight", 1), saved(run_dir, "straight", 3)
     assert len(first["stepped"]) == 2 * TARGETS  # A and B of each adapted module
     assert all(lora.is_adapter_name(name) for name in first["stepped"])
-    base_1, base_3 = lora.base_tensors(first["state"]), lora.base_tensors(last["state"])
+    base_1, base_3 = (
+        lora_weights.base_tensors(first["state"]),
+        lora_weights.base_tensors(last["state"]),
+    )
     assert base_1.keys() == built.keys()
     assert any(not torch.equal(base_1[k], built[k]) for k in built)  # the warm-up trained it
     assert all(torch.equal(base_1[k], base_3[k]) for k in built)  # RL steps did not
-    adapter_1, adapter_3 = lora.adapter_tensors(first["state"]), lora.adapter_tensors(last["state"])
+    adapter_1, adapter_3 = (
+        lora_weights.adapter_tensors(first["state"]),
+        lora_weights.adapter_tensors(last["state"]),
+    )
     assert len(adapter_1) == 2 * TARGETS
     assert all(t.abs().sum() > 0 for k, t in adapter_1.items())  # B moved off zero at step 1
     assert all(not torch.equal(adapter_1[k], adapter_3[k]) for k in adapter_1)
 
 
 def assert_same_adapter_step(reference: Path, other: Path) -> None:
-    """Two layouts' one step (tests/dist_workers.py's one_step): the same loss, and gradients
-    for the adapter only, the same to float32 rounding."""
+    """Two layouts' one step (tests/support/dist_workers.py's one_step): the same loss, and
+    gradients for the adapter only, the same to float32 rounding."""
     want, got = torch.load(reference), torch.load(other)
     assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
     assert len(want["grads"]) == 2 * TARGETS
@@ -147,18 +165,18 @@ def test_versions_are_the_base_in_full_then_peft_adapters(runs: dict[str, Path])
     layout = RunDir(run_dir)
     state_1, state_2 = (saved(run_dir, "straight", s)["state"] for s in (1, 2))
     step_0 = load_model(layout.weights_for(0)).state_dict()
-    base = lora.base_tensors(state_1)
+    base = lora_weights.base_tensors(state_1)
     assert step_0.keys() == base.keys() and all(torch.equal(step_0[k], base[k]) for k in base)
     step_2 = layout.weights_for(2)
     assert sorted(p.name for p in step_2.iterdir()) == [
         "COMPLETE", lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS,
     ]  # fmt: skip
     tensors = load_file(step_2 / lora.ADAPTER_WEIGHTS)
-    want = lora.adapter_tensors(state_2)
+    want = lora_weights.adapter_tensors(state_2)
     assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], want[k]) for k in want)
     # PEFT reads it onto version 0 and computes what the trainer's model computed.
     peft = PeftModel.from_pretrained(load_model(layout.weights_for(0)), step_2).eval()
-    trainer = lora.wrap(load_model(layout.weights_for(0)), compose_run(*LORA).model)
+    trainer = lora_trainer.wrap(load_model(layout.weights_for(0)), compose_run(*LORA).model)
     trainer.load_state_dict({k: v for k, v in state_2.items()}, strict=True)
     ids = torch.tensor([[1, 10, 11, 12, 13]])
     with torch.no_grad():
@@ -177,7 +195,9 @@ def test_export_merges_the_newest_adapter_into_full_weights(runs: dict[str, Path
     target = run_dir / "export" / "step_2"
     assert out.stdout.strip().endswith(f"full weights: {target}")
     assert (target / "COMPLETE").exists() and not lora.is_adapter_dir(target)
-    trainer = lora.wrap(load_model(RunDir(run_dir).weights_for(0)), compose_run(*LORA).model)
+    trainer = lora_trainer.wrap(
+        load_model(RunDir(run_dir).weights_for(0)), compose_run(*LORA).model
+    )
     trainer.load_state_dict(saved(run_dir, "straight", 2)["state"])
     ids = torch.tensor([[1, 10, 11, 12, 13]])
     with torch.no_grad():
@@ -187,27 +207,6 @@ def test_export_merges_the_newest_adapter_into_full_weights(runs: dict[str, Path
 # The embedded engine serving a LoRA run.
 
 SERVED = ("model.lora.rank=8", "inference.backend=embedded")
-PROMPTS = ["hello world", "ab", "the quick brown fox"]
-
-
-def adapted(cfg: Any, seed: int) -> Any:
-    """The tiny model with a rank-8 adapter whose B is random (from `seed`), not zero."""
-    model = lora.wrap(load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)), cfg.model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    return model.eval()
-
-
-def greedy_ids(model: Any, tokenizer: Any) -> list[list[int]]:
-    """What the model itself decodes greedily for PROMPTS (the engine's reference)."""
-    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
-    gens = [torch.Generator(next(model.parameters()).device)] * len(prompts)
-    with torch.no_grad():
-        samples = generate(model, tokenizer, prompts, [12] * 3, [0.0] * 3, gens)
-    return [s.token_ids for s in samples]
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +223,7 @@ def served(
     layout = RunDir(run_dir)
     layout.weights.mkdir(parents=True)
     for version in (0, 1):
-        lora.publish(version, first, tokenizer, None, layout)
+        lora_weights.publish(version, first, tokenizer, None, layout)
     proc = start_role("inference", run_dir, "--replica", "0")
     try:
         try:
@@ -240,20 +239,6 @@ def served(
         stop_role(proc)
 
 
-def served_greedy(server: SimpleNamespace, model: str = "tiny") -> tuple[int, list[list[int]]]:
-    body = {"model": model, "prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
-    response = server.client.post("/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    answer = response.json()
-    return answer["policy_version"], [c["token_ids"] for c in answer["choices"]]
-
-
-def load(server: SimpleNamespace, version: int, **extra: str) -> httpx.Response:
-    """Ask the server to load the run's published `version` (`extra`: an `adapter` name)."""
-    body = {"version": version, "path": str(RunDir(server.run_dir).weights_for(version))}
-    return server.client.post("/admin/load_weights", json={**body, **extra})
-
-
 @pytest.mark.slow
 def test_the_engine_serves_adapters_from_disk_as_peft_computes(served: SimpleNamespace) -> None:
     tokenizer = served.tokenizer
@@ -263,7 +248,7 @@ def test_the_engine_serves_adapters_from_disk_as_peft_computes(served: SimpleNam
     assert first != base != second != first  # the adapters change what is decoded
     # Started on a run with versions 0 and 1 published: the adapter on its base.
     assert served_greedy(served) == (1, first)
-    lora.publish(2, served.second, tokenizer, None, RunDir(served.run_dir))
+    lora_weights.publish(2, served.second, tokenizer, None, RunDir(served.run_dir))
     assert load(served, 2).json()["policy_version"] == 2
     assert served_greedy(served) == (2, second)
 
@@ -277,8 +262,10 @@ def test_the_engine_takes_an_adapter_by_broadcast_and_only_its_tensors_travel(
         sender.publish(3, served.first)
     assert served_greedy(served) == (3, greedy_ids(served.first, served.tokenizer))
     sent = float(re.search(r"broadcast version 3 over gloo: ([\d.]+) MB", caplog.text)[1])
-    adapter = lora.nbytes(lora.adapter_tensors(served.first.state_dict()).values()) / 1e6
-    full = lora.nbytes(served.first.get_base_model().parameters()) / 1e6
+    adapter = (
+        lora_trainer.nbytes(lora_weights.adapter_tensors(served.first.state_dict()).values()) / 1e6
+    )
+    full = lora_trainer.nbytes(served.first.get_base_model().parameters()) / 1e6
     assert sent == pytest.approx(adapter, abs=0.05) and sent < full / 10
 
 
@@ -288,7 +275,7 @@ def test_an_adapter_that_does_not_fit_is_refused_and_nothing_changes(
 ) -> None:
     before = served_greedy(served)
     layout = RunDir(served.run_dir)
-    lora.publish(9, served.second, served.tokenizer, None, layout)
+    lora_weights.publish(9, served.second, served.tokenizer, None, layout)
     weights = layout.weights_for(9) / lora.ADAPTER_WEIGHTS
     tensors = load_file(weights)
     name = next(k for k in tensors if ".lora_A." in k)
@@ -373,7 +360,7 @@ def test_the_engine_applies_adapters_on_the_gpu(tmp_path: Path, cache: Path) -> 
     layout = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
     layout.weights.mkdir(parents=True)
     for version in (0, 1):
-        lora.publish(version, model, tokenizer, None, layout)
+        lora_weights.publish(version, model, tokenizer, None, layout)
     served = load_model(ensure_checkpoint(cfg.model, seed=cfg.seed), device="cuda").eval()
     engine = Engine(served, tokenizer, cfg, logging.getLogger("test.lora"))
     engine.start()
@@ -393,8 +380,8 @@ def test_two_adapters_are_served_side_by_side_under_their_names(served: SimpleNa
     """A second adapter loaded under a name of its own: requests asking for that name get it,
     with its version, while the run's own policy keeps being served as the model's name."""
     layout, tokenizer = RunDir(served.run_dir), served.tokenizer
-    lora.publish(20, served.first, tokenizer, None, layout)
-    lora.publish(30, served.second, tokenizer, None, layout)
+    lora_weights.publish(20, served.first, tokenizer, None, layout)
+    lora_weights.publish(30, served.second, tokenizer, None, layout)
     assert load(served, 20).json()["policy_version"] == 20
     assert load(served, 30, adapter="other").json()["policy_version"] == 30
     names = [m["id"] for m in served.client.get("/v1/models").json()["data"]]
@@ -417,24 +404,24 @@ def test_one_batch_mixes_adapters_row_by_row(tmp_path: Path, cache: Path) -> Non
     models = {"tiny": adapted(cfg, seed=1), "other": adapted(cfg, seed=2)}
     layout = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
     layout.weights.mkdir(parents=True)
-    lora.publish(0, models["tiny"], tokenizer, None, layout)
+    lora_weights.publish(0, models["tiny"], tokenizer, None, layout)
     served = load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)).eval()
     engine = Engine(served, tokenizer, cfg, logging.getLogger("test.lora"))
     prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
     for version, name in ((1, "tiny"), (2, "other")):
-        lora.publish(version, models[name], tokenizer, None, layout)
+        lora_weights.publish(version, models[name], tokenizer, None, layout)
         engine.submit(LoadJob(layout.weights_for(version), version, adapter=name))
     jobs = [CompletionJob(prompts, 1, 12, 0.0, None, adapter=n) for n in ("other", "tiny", "")]
     futures = [engine.submit(job) for job in jobs]
     batches: list[int] = []
-    real = lora.Adapters.route
-    lora.Adapters.route = lambda self, names: (batches.append(len(names)), real(self, names))[1]
+    real = adapters.Adapters.route
+    adapters.Adapters.route = lambda self, names: (batches.append(len(names)), real(self, names))[1]
     try:
         engine.start()
         results = [f.result(timeout=60) for f in futures]
     finally:
         engine.stop()
-        lora.Adapters.route = real
+        adapters.Adapters.route = real
     assert batches == [6, 9]  # one batch: 6 distinct (adapter, prompt) passes, then 9 rows
     want = {name: greedy_ids(model, tokenizer) for name, model in models.items()}
     assert [s.token_ids for s in results[0][1]] == want["other"]

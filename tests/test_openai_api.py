@@ -1,6 +1,6 @@
 """OpenAI compatibility: the official `openai` client against a real embedded inference server
-(tests/openai_checks.py, shared with the vLLM front's tests), and the chat layer's tool calls,
-templates and refusals against a scripted backend whose "model" says what the test wants."""
+(tests/support/openai_checks.py, shared with the vLLM front's tests), and the chat layer's tool
+calls, templates and refusals against a scripted backend whose "model" says what the test wants."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from omegaconf import DictConfig
 
-from rl.auth import bearer_guard
-from rl.chat import ChatTemplate, parse_turn
-from rl.generation import Limits, generate
-from rl.model import build_char_tokenizer, encode_prompt, ensure_checkpoint, load_model
-from rl.openai_api import Params, Result, add_openai_routes
-from rl.runtime import wait_for_address
-from rl.testing import compose_run, start_role, stop_role, write_run_dir
-from tests import openai_checks
+from rl.core.auth import bearer_guard
+from rl.core.chat import ChatTemplate, parse_turn
+from rl.core.model import build_char_tokenizer, encode_prompt, ensure_checkpoint, load_model
+from rl.core.runtime import wait_for_address
+from rl.inference.generation import Limits, generate
+from rl.inference.openai_api import Params, Result, add_openai_routes
+from tests.support import openai_checks
+from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
 
 TOKEN = "openai-test"
 
@@ -68,7 +68,7 @@ def test_wrong_token_is_an_authentication_error(server: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(cfg: DictConfig) -> tuple[Any, Any]:
-    from rl.model import load_tokenizer
+    from rl.core.model import load_tokenizer
 
     path = ensure_checkpoint(cfg.model, seed=cfg.seed)
     return load_model(path, dtype=cfg.model.dtype).eval(), load_tokenizer(path)
@@ -123,7 +123,7 @@ class Scripted:
         return [self.model_name]
 
     def _samples(self, prompts: list[list[int]], params: Params) -> Result:
-        from rl.generation import Sample
+        from rl.inference.generation import Sample
 
         self.prompts += prompts
         ids = self.tokenizer(self.reply, add_special_tokens=False)["input_ids"]

@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.model import ensure_checkpoint, load_model
-from rl.packing import pack_rows, packed_logprobs, padding_waste
-from rl.testing import compose_run
-from rl.trainer import pad_batch, token_logprobs
+from rl.core.binpack import first_fit_decreasing
+from rl.core.model import ensure_checkpoint, load_model
+from rl.trainer.batches import pad_batch, token_logprobs
+from rl.trainer.packing import packed_logprobs, padding_waste
+from tests.support.runs import compose_run
 
 
 def test_rows_are_filled_longest_first_within_capacity() -> None:
     lengths = [5, 2, 7, 3, 4, 1]
-    rows = pack_rows(lengths, 7)
-    assert rows == [[2], [0, 1], [4, 3], [5]]
+    rows = first_fit_decreasing(lengths, 7)
+    assert rows == [[2], [0, 1], [3, 4], [5]]
     assert all(sum(lengths[i] for i in row) <= 7 for row in rows)
     assert sorted(i for row in rows for i in row) == list(range(6))
     assert padding_waste(lengths, rows, 7) == pytest.approx(1 - 22 / 28)

@@ -14,7 +14,7 @@ percents).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,34 +22,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rl.model import load_model
-from rl.testing import TOKEN, compose_run, write_run_dir
-from tests import dist_workers
+from rl.core.model import load_model
+from tests.support import dist_workers, parallel
+from tests.support.parallel import RTOL, assert_same_gradients, prepare
 
-RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("relay_cache")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("RELAY_CACHE", str(path))
-        yield path
-
-
-def prepare(tmp: Path, name: str, *overrides: str) -> tuple[Path, Path]:
-    """A fresh run directory for one layout, and the init file its ranks meet at."""
-    cfg = compose_run("trainer.device=cpu", *overrides, "algorithm.max_grad_norm=1e9")
-    run_dir = write_run_dir(tmp / name, cfg, TOKEN)
-    return run_dir, tmp / f"init_{name}"
-
-
-def assert_same_gradients(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got.keys() == want.keys()
-    scale = max(g.abs().max().item() for g in want.values())
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=0, atol=RTOL * scale, msg=name)
-
+cache = parallel.cache  # the module's model cache (a fixture)
 
 EP = "parallel.trainer.ep=2"
 AC = "trainer.activation_checkpointing=true"

@@ -15,7 +15,7 @@ import pytest
 from launcher import gpus
 from launcher.errors import PlanError
 from launcher.plan import format_plan, plan
-from rl.testing import ROOT, compose_run
+from tests.support.runs import ROOT, compose_run
 
 FIXTURES = ROOT / "tests" / "fixtures"
 

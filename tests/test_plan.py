@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from launcher.checks import check_weights
 from launcher.errors import PlanError
-from launcher.feasible import check_weights
 from launcher.plan import format_plan, plan
-from rl.testing import ROOT, compose_run, options
+from tests.support.runs import ROOT, compose_run, options
 
 DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
 MOE = ("qwen3_30b_a3b", "minimax_m2", "glm5")
@@ -176,7 +176,7 @@ def test_local_fsdp_two_cpu_processes() -> None:
         (["environment.max_tokens=500"], "must be below model=tiny's served length 128"),
         (
             ["inference.weight_transport=broadcast", "inference.broadcast_timeout_s=0"],
-            "inference.broadcast_timeout_s=0.0: must be > 0",
+            "inference.broadcast_timeout_s=0.0: must be a positive number of seconds",
         ),
         (
             ["inference.weight_transport=broadcast", "inference.broadcast_backend=nccl"],
@@ -441,7 +441,7 @@ def test_a_replica_spanning_nodes_starts_on_every_node_of_its_share() -> None:
         assert role_args[role_args.index("--nodes") + 1] == "2"
         assert ("--node" in role_args) == proc.name.endswith("-node1")
     router = planned.role("router")[0]
-    assert (router.name, router.node, router.argv[2]) == ("inference-0", 0, "rl.pd_router")
+    assert (router.name, router.node, router.argv[2]) == ("inference-0", 0, "rl.inference.router")
     trainer = planned.role("trainer")[0]
     assert trainer.env["CUDA_VISIBLE_DEVICES"] == every
 
@@ -459,7 +459,7 @@ def test_the_dry_run_shows_both_nodes_of_prefill_and_decode_and_the_router() -> 
         assert f"--instance {part}" in head and "--headless" not in head
         assert "--data-parallel-address ${RELAY_HEAD_ADDR}" in head
         assert "--headless --data-parallel-start-rank 8" in secondary
-    assert "python -m rl.pd_router" in rows["inference-0"]
+    assert "python -m rl.inference.router" in rows["inference-0"]
     assert "note: ${RELAY_HEAD_ADDR} and ${RELAY_HEAD_PORT}" in out.stdout
 
 

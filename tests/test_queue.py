@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rl import wire
-from rl.rollout_queue import pack, shard
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import TOKEN as RL_TESTING_TOKEN
-from rl.testing import compose_run, start_role, stop_role, write_run_dir
+from rl.core import wire
+from rl.core.runtime import auth_headers, wait_for_address
+from rl.queue.shards import micro_batches, partition
+from tests.support.runs import TOKEN as RL_TESTING_TOKEN
+from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
 
 TOKEN = "queue-test-token"
 GROUPS_PER_STEP = 3
@@ -134,10 +134,10 @@ def test_acknowledged_groups_survive_kill_9(queue: Any) -> None:
 
 
 def test_shards_balance_tokens() -> None:
-    samples = [{"prompt_ids": [0], "completion_ids": [0] * n} for n in (9, 1, 1, 1, 5, 3)]
-    shards = [shard(samples, r, 2) for r in range(2)]
-    loads = [sum(len(s["completion_ids"]) + 1 for s in part) for part in shards]
-    assert sorted(loads) == [12, 14] and sum(len(p) for p in shards) == 6
+    sizes = [1 + n for n in (9, 1, 1, 1, 5, 3)]  # a one-token prompt and n completion tokens
+    shards = partition(sizes, 2)
+    loads = [sum(sizes[i] for i in part) for part in shards]
+    assert sorted(loads) == [12, 14] and sorted(i for p in shards for i in p) == list(range(6))
 
 
 def test_binary_push_and_pull_round_trip(queue: Any) -> None:
@@ -188,10 +188,10 @@ def test_openapi_describes_every_route(queue: Any) -> None:
 
 
 def test_pack_respects_budget() -> None:
-    samples = [{"prompt_ids": [0], "completion_ids": [0] * n} for n in (9, 1, 1, 1, 5, 3)]
-    bins = pack(samples, 10)
+    sizes = [1 + n for n in (9, 1, 1, 1, 5, 3)]
+    bins = micro_batches(sizes, 10)
     assert sorted(i for b in bins for i in b) == list(range(6))
-    assert all(sum(1 + len(samples[i]["completion_ids"]) for i in b) <= 10 for b in bins)
+    assert all(sum(sizes[i] for i in b) <= 10 for b in bins)
     assert len(bins) == 3  # 26 tokens in bins of 10: FFD reaches the bound
 
 
@@ -283,8 +283,8 @@ def test_out_of_range_integers_are_refused_and_the_queue_keeps_working(queue: An
 
 
 def test_a_failed_store_transaction_is_rolled_back(tmp_path: Path) -> None:
-    from rl.records import Group
-    from rl.rollout_queue import Store
+    from rl.core.records import Group
+    from rl.queue.store import Store
 
     store = Store(tmp_path / "queue.db")
     valid = [Group.parse(group(0))]
@@ -380,7 +380,7 @@ def hot_copy(store_path: Path, marks: Path, into: Path) -> tuple[Path, Path]:
 
 def corrupt_frame(wal: Path, frame: int) -> None:
     """Flip a byte in the page of WAL frame `frame` (its checksum no longer matches)."""
-    from rl.rollout_queue import PAGE_BYTES
+    from rl.queue.store import PAGE_BYTES
 
     data = bytearray(wal.read_bytes())
     at = 32 + frame * (24 + PAGE_BYTES) + 24 + 100
@@ -389,9 +389,9 @@ def corrupt_frame(wal: Path, frame: int) -> None:
 
 
 def test_a_store_that_lost_commits_refuses_to_start(tmp_path: Path) -> None:
-    from rl.records import Group
-    from rl.rollout_queue import PAGE_BYTES, Store, StoreLost
-    from rl.rundir import RunDir
+    from rl.core.records import Group
+    from rl.core.rundir import RunDir
+    from rl.queue.store import PAGE_BYTES, Store, StoreLost
 
     run = RunDir(tmp_path / "run")
     run.root.mkdir()

@@ -10,8 +10,8 @@ import pytest
 
 from rl.envs import Example, make_environment
 from rl.envs.reasoning import TAG_INSTRUCTION
-from rl.orchestrator import InferenceClient
-from rl.testing import TOKEN, compose_run, embedded_server
+from rl.inference.client import InferenceClient
+from tests.support.runs import TOKEN, compose_run, embedded_server
 
 ENVS = ["arithmetic", "gsm8k", "countdown"]
 SMALL = ("environment.eval_size=20", "environment.args.train_size=40")
@@ -165,6 +165,6 @@ def test_rollout_against_the_embedded_server(server: Any) -> None:
         examples = env.eval_examples()[:3]
         choices = client.complete_all([e.prompt for e in examples], 2, 8, 1.0)
         assert len(choices) == 6
-        assert all(len(c["token_ids"]) == len(c["logprobs"]["token_logprobs"]) for c in choices)
-        rewards = [env.reward(examples[i // 2], c["text"]) for i, c in enumerate(choices)]
+        assert all(len(c.token_ids) == len(c.logprobs) for c in choices)
+        rewards = [env.reward(examples[i // 2], c.text) for i, c in enumerate(choices)]
         assert all(isinstance(r, float) and 0.0 <= r <= 1.0 for r in rewards), rewards

@@ -6,7 +6,7 @@ import pytest
 
 from rl.envs import Example, make_environment
 from rl.envs.reverse_text import lcs_length, lcs_ratio
-from rl.testing import compose_run
+from tests.support.runs import compose_run
 
 
 def test_lcs_by_hand() -> None:

@@ -7,23 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.advantages import group_mean
+from rl.core.records import Completion, Episode
+from rl.core.rundir import RunDir
 from rl.envs import Example, make_environment
-from rl.orchestrator import no_signal, score_group
-from rl.rundir import RunDir
-from rl.testing import compose_run
-from rl.trainer import pad_batch, token_logprobs
+from rl.orchestrator.advantages import group_mean
+from rl.orchestrator.scoring import no_signal, score_group
+from rl.trainer.batches import pad_batch, token_logprobs
+from tests.support.runs import compose_run
 
 
-def choice(text: str, ids: list[int], version: int) -> dict:
-    return {
-        "text": text,
-        "prompt_token_ids": [1, 5, 6],
-        "token_ids": ids,
-        "logprobs": {"token_logprobs": [-0.1] * len(ids)},
-        "policy_version": version,
-        "policy_version_max": version,
-    }
+def choice(text: str, ids: list[int], version: int) -> Episode:
+    """A single-turn rollout of `text` (token ids `ids`) sampled by policy `version`."""
+    return Episode.of(Completion([1, 5, 6], ids, [-0.1] * len(ids), text, "stop", version, version))
 
 
 def test_score_group_rewards_advantages_and_versions() -> None:

@@ -17,73 +17,25 @@ from pathlib import Path
 
 import pytest
 
-from launcher.setup import group_alive
-from rl.records import is_eval, is_train
-from rl.rollout_queue import Store
-from rl.rundir import RunDir
-from rl.testing import ROOT
+from launcher.run_dir import group_alive
+from rl.core.records import is_eval, is_train
+from rl.core.rundir import RunDir
+from rl.queue.store import Store
+from tests.support.runs import (
+    ROOT,
+    SMALL,
+    assert_no_process_left,
+    child_env,
+    rl_command,
+    run_to_end,
+)
 
 pytestmark = pytest.mark.slow
-
-SMALL = [
-    "warmup.steps=5",
-    "environment.eval_size=16",
-    "environment.prompts_per_step=8",
-    "environment.group_size=4",
-    "environment.eval_every=3",
-]
-
-
-def rl_command(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "launcher.cli", *SMALL, f"hydra.run.dir={run_dir}", *overrides]
-
-
-def child_env(cache: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "RELAY_CACHE": str(cache), **extra}
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("relay_cache")
-
-
-def run_to_end(run_dir: Path, cache: Path, *overrides: str, **env: str) -> list[dict]:
-    out = subprocess.run(
-        rl_command(run_dir, *overrides),
-        cwd=ROOT,
-        env=child_env(cache, **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert_no_process_left(run_dir)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def processes_of(run_dir: Path) -> list[int]:
-    """Live processes whose command line names the run directory (torchrun's ranks included:
-    they run in sessions of their own)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(run_dir).encode() in cmdline.read_bytes():
-                stat = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()
-                if stat[0] != "Z":
-                    found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def assert_no_process_left(run_dir: Path) -> None:
-    pids = json.loads((run_dir / "pids.json").read_text())
-    alive = [name for name, pgid in pids.items() if group_alive(pgid)]
-    assert not alive, f"left behind: {alive}"
-    deadline = time.monotonic() + 10  # a parent-death signal is delivered asynchronously
-    while processes_of(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not processes_of(run_dir), f"left behind: pids {processes_of(run_dir)}"
 
 
 def wandb_history(run_dir: Path) -> list[dict]:

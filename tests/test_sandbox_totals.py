@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rl.envs.code_repair import sandbox
-from rl.testing import ROOT
+from tests.support.runs import ROOT
 
 PY = "/usr/bin/python3"
 MB = 1024 * 1024

@@ -18,21 +18,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import httpx
 import pytest
 
-from launcher.setup import group_alive
-from rl import lora
-from rl.inference import restored
-from rl.model import ensure_checkpoint, load_tokenizer
-from rl.records import is_train
-from rl.rundir import BASE, SERVICE, RunDir, mark_complete, point_name, shared_point
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
+from launcher.run_dir import group_alive
+from rl.core.model import ensure_checkpoint, load_tokenizer
+from rl.core.records import is_train
+from rl.core.rundir import BASE, SERVICE, RunDir, mark_complete, point_name, shared_point
+from rl.core.runtime import auth_headers, wait_for_address
+from rl.inference.server import restored
 from rl.weights.published import RefusedWeights, loading_from, published_dir
-from tests.test_lora import adapted, greedy_ids, served_greedy
+from tests.support.lora import adapted, check_shared_service
+from tests.support.runs import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 SMALL = [
     "warmup.steps=5",
@@ -181,46 +179,6 @@ def test_a_shared_service_loads_only_the_named_points_own_weights(tmp_path: Path
         ("point-0", zero.weights_for(3), 3),
         ("point-1", one.weights_for(0), 0),
     ]
-
-
-def check_shared_service(server: SimpleNamespace, first: Any, second: Any) -> None:
-    """Two sweep points on one shared service (`server.run_dir` is the sweep's `inference/`):
-    each served under its name on the base until its first adapter, then with its own adapter,
-    side by side, with its own version; loads that name no point, another point's weights or a
-    point the sweep lacks are refused, changing nothing."""
-    sweep, tokenizer = server.run_dir.parent, server.tokenizer
-    points = [RunDir(sweep / "0-lr=1"), RunDir(sweep / "1-lr=2")]
-    for point, model in zip(points, (first, second), strict=True):
-        point.weights.mkdir(parents=True)
-        point.config.write_text("{}")
-        for version in (0, 1):  # the base in full, then the point's adapter
-            lora.publish(version, model, tokenizer, None, point)
-
-    def load(point: RunDir, name: str, version: int) -> httpx.Response:
-        body = {"version": version, "path": str(point.weights_for(version)), "adapter": name}
-        return server.client.post("/admin/load_weights", json=body)
-
-    with first.disable_adapter():
-        base = greedy_ids(first, tokenizer)
-    assert load(points[0], "point-0", 0).json()["policy_version"] == 0
-    assert served_greedy(server, "point-0") == (0, base)  # the shared base, until its adapter
-    for point, name in zip(points, ("point-0", "point-1"), strict=True):
-        if name == "point-1":
-            assert load(point, name, 0).status_code == 200
-        assert load(point, name, 1).json()["policy_version"] == 1
-    first_ids, second_ids = greedy_ids(first, tokenizer), greedy_ids(second, tokenizer)
-    assert first_ids != second_ids != base
-    assert served_greedy(server, "point-0") == (1, first_ids)
-    assert served_greedy(server, "point-1") == (1, second_ids)
-    version = server.client.get("/admin/version", params={"model": "point-1"})
-    assert version.json() == {"policy_version": 1}
-    names = [m["id"] for m in server.client.get("/v1/models").json()["data"]]
-    assert names == ["tiny", "point-0", "point-1"]
-    unnamed = {"version": 1, "path": str(points[1].weights_for(1))}
-    assert server.client.post("/admin/load_weights", json=unnamed).status_code == 400
-    assert load(points[0], "point-1", 1).status_code == 400  # point 0's weights as point 1
-    assert load(points[1], "point-7", 1).status_code == 400
-    assert served_greedy(server, "point-1") == (1, second_ids)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import pytest
 from launcher import slurm_cli
 from launcher.processes import spawn, stop_children
 from launcher.report import read_records
-from rl.records import is_eval, is_train
-from rl.rundir import RunDir
+from rl.core.records import is_eval, is_train
+from rl.core.rundir import RunDir
 
 RL = str(Path(sys.executable).with_name("rl"))
 CLUSTER = ["cluster=slurm_cpu", "warmup.steps=80"]
@@ -390,7 +390,7 @@ def test_gpus_read_from_a_nodes_gres(gres: str, gpus: int) -> None:
 
 def test_sbatch_options_follow_the_plan() -> None:
     from launcher.plan import plan, sbatch_flags
-    from rl.testing import compose_run
+    from tests.support.runs import compose_run
 
     cfg = compose_run(
         "model=glm5",
@@ -514,7 +514,7 @@ def supervisor_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     with Slurm's clients faked: nothing is submitted or cancelled."""
     from launcher import supervisor
     from launcher.plan import plan
-    from rl.testing import compose_run
+    from tests.support.runs import compose_run
 
     cfg = compose_run("cluster=slurm_cpu", "max_restarts=0")
     RunDir(tmp_path).create(cfg, "token", plan(cfg).to_json())

@@ -15,21 +15,23 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
-import rl.model
-from rl.generation import generate
-from rl.model import (
+import rl.core.model
+from rl.core.model import (
     check_matches_config,
     ensure_checkpoint,
     load_model,
     load_tokenizer,
 )
-from rl.rundir import COMPLETE
-from rl.testing import compose_run
-from tests import test_inference
+from rl.core.rundir import COMPLETE
+from rl.inference.generation import generate
+from tests.support import inference
+from tests.support.inference import complete
+from tests.support.runs import compose_run
+
+cache, server = inference.cache, inference.server  # the module's server fixtures
 
 # Fixtures reused as they are: a private RELAY_CACHE, and a real `python -m rl.inference`
 # process that serves this module's `cfg` and `checkpoint`.
-cache, server = test_inference.cache, test_inference.server
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -109,7 +111,7 @@ def test_second_call_reuses_the_conversion(
     def no_conversion(*_: Any) -> None:
         raise AssertionError("converted the GGUF again")
 
-    monkeypatch.setattr(rl.model, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(rl.core.model, "_convert_gguf", no_conversion)
     assert ensure_checkpoint(cfg.model) == checkpoint
     assert weights.stat().st_mtime_ns == before
 
@@ -125,12 +127,13 @@ def test_config_mismatch_is_named(cfg: DictConfig, smol: tuple[Any, Any]) -> Non
 def test_failed_conversion_leaves_nothing(
     cfg: DictConfig, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+
     def half_then_fail(_cfg: Any, _gguf: Path, out: Path) -> None:
         out.mkdir()
         (out / "model.safetensors").write_bytes(b"half")
         raise ValueError("conversion failed")
 
-    monkeypatch.setattr(rl.model, "_convert_gguf", half_then_fail)
+    monkeypatch.setattr(rl.core.model, "_convert_gguf", half_then_fail)
     before = set((cache / "models").glob("*"))
     other = OmegaConf.merge(cfg.model, {"context_length": 4096})  # not converted yet
     with pytest.raises(ValueError, match="conversion failed"):
@@ -140,7 +143,7 @@ def test_failed_conversion_leaves_nothing(
 
 @pytest.mark.slow
 def test_embedded_server_answers_from_it(server: Any, smol: tuple[Any, Any]) -> None:
-    resp = test_inference.complete(
+    resp = complete(
         server.client, model="smollm2_135m", prompt=chat_ids(smol[1]), max_tokens=24,
         temperature=0,
     )  # fmt: skip

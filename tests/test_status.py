@@ -13,8 +13,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from launcher.slurm import find_run, format_status
-from rl.rundir import RunDir
-from rl.testing import compose_run
+from rl.core.rundir import RunDir
+from tests.support.runs import compose_run
 
 
 def make_run(root: Path, name: str, steps: int, max_steps: int = 10) -> RunDir:

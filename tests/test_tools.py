@@ -1,5 +1,6 @@
-"""Tool calling: the Hermes call parser on well-formed and malformed turns, and the chat
-rendering of tools and tool turns for templates with and without native tool support."""
+"""Tool calling: the Hermes call parser on well-formed and malformed turns, and the one chat
+renderer (rl/core/chat.py) rendering tools and tool turns for templates with and without
+native tool support, and for tokenizers without a template."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from rl.envs.code_repair.tools import CHATML, ChatFormat, Tool, ToolCall, parse_tool_calls
-from rl.model import build_char_tokenizer
+from rl.core.chat import CHATML, PLAIN, ChatTemplate
+from rl.core.model import build_char_tokenizer
+from rl.envs.code_repair.tools import Tool, ToolCall, parse_tool_calls
 
 READ = Tool("read_file", "Read one file.", {"path": {"type": "string"}})
 EDIT = Tool("edit_file", "Edit.", {"path": {"type": "string"}, "line": {"type": "integer"}})
@@ -77,22 +79,49 @@ def tokenizer() -> Any:
     return build_char_tokenizer(64)
 
 
-def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer: Any) -> None:
-    chat = ChatFormat(tokenizer, [READ])
-    assert not chat.native and chat.template == CHATML
-    text = chat.render(chat.opening("Be careful.", "Fix it."), generation=True)
+@pytest.fixture
+def chatml_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer without a template whose vocabulary has ChatML's markers."""
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tokenizer
+
+
+def opening(template: ChatTemplate) -> str:
+    messages = [
+        {"role": "system", "content": "Be careful."},
+        {"role": "user", "content": "Fix it."},
+    ]
+    return template.render(messages, [READ.schema()], generation=True)
+
+
+def test_a_character_tokenizer_gets_the_plain_template(tokenizer: Any) -> None:
+    """Its vocabulary has no ChatML markers (they would be unknown characters): turns are
+    `role: text`, each model turn ended with its end-of-sequence token."""
+    chat = ChatTemplate(tokenizer)
+    assert chat.template == PLAIN and not chat.native_tools
+    text = opening(chat)
+    assert text.startswith("<bos>system: Be careful.\n\nYou can call tools.")
+    assert json.dumps(READ.schema()) in text and text.endswith("user: Fix it.\nassistant: ")
+    tool_turn = chat.after_turn([{"role": "tool", "content": "r1"}], [READ.schema()])
+    assert tool_turn == "\ntool: r1\nassistant: "
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message(chatml_tokenizer: Any) -> None:
+    chat = ChatTemplate(chatml_tokenizer)
+    assert not chat.native_tools and chat.template == CHATML
+    text = opening(chat)
     assert text.startswith("<|im_start|>system\nBe careful.\n\nYou can call tools.")
     assert json.dumps(READ.schema()) in text and "<tool_call>" in text
     assert text.endswith("<|im_start|>user\nFix it.<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_tool_turns_follow_the_template(tokenizer: Any) -> None:
-    chat = ChatFormat(tokenizer, [READ])
-    turn = chat.tool_turn(["r1", "r2"])
+def test_tool_turns_follow_the_template(chatml_tokenizer: Any) -> None:
+    results = [{"role": "tool", "content": r} for r in ("r1", "r2")]
+    turn = ChatTemplate(chatml_tokenizer).after_turn(results, [READ.schema()])
     expected = "<|im_start|>tool\nr1<|im_end|>\n<|im_start|>tool\nr2<|im_end|>\n"
     assert turn == "<|im_end|>\n" + expected + "<|im_start|>assistant\n"
-    tokenizer.eos_token = "<|im_end|>"  # a chat tokenizer: the model's turn ends with it
-    assert ChatFormat(tokenizer, [READ]).tool_turn(["r1", "r2"]) == (
+    chatml_tokenizer.eos_token = "<|im_end|>"  # a chat tokenizer: the model's turn ends with it
+    assert ChatTemplate(chatml_tokenizer).after_turn(results, [READ.schema()]) == (
         "\n" + expected + "<|im_start|>assistant\n"
     )
 
@@ -100,12 +129,12 @@ def test_tool_turns_follow_the_template(tokenizer: Any) -> None:
 def test_a_template_with_tools_renders_them_itself(tokenizer: Any) -> None:
     tokenizer.chat_template = NATIVE
     tokenizer.eos_token = "<|im_end|>"
-    chat = ChatFormat(tokenizer, [READ])
-    assert chat.native
-    text = chat.render(chat.opening("Be careful.", "Fix it."), generation=True)
+    chat = ChatTemplate(tokenizer)
+    assert chat.native_tools
+    text = opening(chat)
     assert "You can call tools" not in text
     assert json.dumps(READ.schema()) in text
-    assert chat.tool_turn(["out"]) == (
+    assert chat.after_turn([{"role": "tool", "content": "out"}], [READ.schema()]) == (
         "\n<|im_start|>user\n<tool_response>\nout\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )

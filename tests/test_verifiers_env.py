@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from rl.envs import make_environment
-from rl.testing import ROOT, TOKEN, compose_run, embedded_server
+from tests.support.runs import ROOT, TOKEN, compose_run, embedded_server
 
 ENV_PACKAGES = ROOT / "tests" / "verifiers_envs" / "relay_reverse"
 
@@ -206,37 +206,38 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.mark.slow
 def test_single_turn_rollout_on_relay_inference(server: Any, single: Any) -> None:
-    from rl.orchestrator import InferenceClient
+    from rl.inference.client import InferenceClient
 
     client = InferenceClient(server.run_dir, ["inference-0"], TOKEN, server.cfg.model.name)
     examples = single.eval_examples()[:4]
     choices = client.complete_all([e.prompt for e in examples], 2, 12, 1.0)
     assert len(choices) == 8
     for i, choice in enumerate(choices):
-        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
-        reward = single.reward(examples[i // 2], choice["text"])
+        assert len(choice.token_ids) == len(choice.logprobs) > 0
+        reward = single.reward(examples[i // 2], choice.text)
         assert 0.0 <= reward <= 1.0
 
 
 @pytest.mark.slow
 def test_multi_turn_rollout_on_relay_inference(server: Any, multi: Any) -> None:
-    from rl.orchestrator import InferenceClient, run_episodes
+    from rl.inference.client import InferenceClient
+    from rl.orchestrator.episodes import run_episodes
 
     client = InferenceClient(server.run_dir, ["inference-0"], TOKEN, server.cfg.model.name)
     examples = multi.eval_examples()[:3]
     episodes = run_episodes(client, multi, server.tokenizer, examples, 2, 8, 1.0, 128)
     assert len(episodes) == 6
     for i, episode in enumerate(episodes):
-        example, turns = examples[i // 2], episode["turns"]
+        example, turns = examples[i // 2], episode.turns
         # The game ends when the model is right or after three attempts.
         assert turns[-1].strip() == example.answer or len(turns) == 3
-        assert len(episode["env_spans"]) == len(turns) - 1
+        assert len(episode.env_spans) == len(turns) - 1
         reply = f"\nno. reverse: {example.info['task'].data.name}\n"
         reply_ids = server.tokenizer(reply, add_special_tokens=False)["input_ids"]
-        for start, end in episode["env_spans"]:
-            assert episode["token_ids"][start:end] == reply_ids
+        for start, end in episode.env_spans:
+            assert episode.completion_ids[start:end] == reply_ids
         assert 0.0 <= multi.reward(example, turns) <= 1.0
-    assert any(episode["env_spans"] for episode in episodes)  # the game did answer
+    assert any(episode.env_spans for episode in episodes)  # the game did answer
 
 
 # --- a few RL steps through the launcher ---------------------------------------------------

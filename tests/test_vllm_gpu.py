@@ -21,10 +21,10 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from rl.model import load_model
-from rl.testing import compose_run
+from rl.core.model import load_model
 from rl.weights.broadcast import InferenceBroadcaster
-from tests.test_vllm import complete, greedy, trained_checkpoint, vllm_server
+from tests.support.runs import compose_run
+from tests.support.vllm import complete, greedy, trained_checkpoint, vllm_server
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON") or (
     sys.executable if importlib.util.find_spec("vllm") else ""
@@ -115,8 +115,8 @@ def test_fp8_server_serves_and_takes_broadcast_weights(tmp_path: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL needs the nixl package")
 def test_a_nixl_prefill_decode_pair_answers_as_one_server(tmp_path: Path) -> None:
     """The GPU default connector: prefill on GPU 0, decode on GPU 1, behind Relay's router."""
-    from tests.test_pd_router import greedy as pd_greedy
-    from tests.test_pd_router import long_prompts, pd_replica, same_choices
+    from tests.support.pd import greedy as pd_greedy
+    from tests.support.pd import long_prompts, pd_replica, same_choices
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RELAY_CACHE", str(tmp_path / "cache"))

@@ -13,12 +13,14 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import DictConfig
 
-from rl import lora
-from rl.model import ensure_checkpoint, load_tokenizer
-from rl.rundir import SERVICE, RunDir
-from tests.test_lora import adapted, greedy_ids, load, served_greedy
-from tests.test_shared_sweep import check_shared_service
-from tests.test_vllm import pytestmark, vllm_config, vllm_server  # noqa: F401
+from rl.core.model import ensure_checkpoint, load_tokenizer
+from rl.core.rundir import SERVICE, RunDir
+from rl.trainer import lora as lora_trainer
+from rl.weights import lora as lora_weights
+from tests.support.lora import adapted, check_shared_service, greedy_ids, load, served_greedy
+from tests.support.vllm import MARKS, vllm_config, vllm_server
+
+pytestmark = MARKS  # slow; skipped without vLLM's CPU build
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def publish_and_load(server: SimpleNamespace, version: int, model: object, **extra: str) -> dict:
-    lora.publish(version, model, server.tokenizer, None, RunDir(server.run_dir))
+    lora_weights.publish(version, model, server.tokenizer, None, RunDir(server.run_dir))
     response = load(server, version, **extra)
     assert response.status_code == 200, response.text
     return response.json()
@@ -72,14 +74,14 @@ def test_vllm_serves_a_second_adapter_under_its_name(server: SimpleNamespace) ->
 def test_vllm_refuses_an_adapter_above_its_rank_and_keeps_serving(
     server: SimpleNamespace,
 ) -> None:
-    from rl.model import load_model
-    from rl.testing import compose_run
+    from rl.core.model import load_model
+    from tests.support.runs import compose_run
 
     before = served_greedy(server)
     wide_cfg = compose_run("model.lora.rank=16")
-    wide = lora.wrap(load_model(ensure_checkpoint(server.cfg.model)), wide_cfg.model)
+    wide = lora_trainer.wrap(load_model(ensure_checkpoint(server.cfg.model)), wide_cfg.model)
     layout = RunDir(server.run_dir)
-    lora.publish(9, wide, server.tokenizer, None, layout)
+    lora_weights.publish(9, wide, server.tokenizer, None, layout)
     body = {"version": 9, "path": str(layout.weights_for(9))}
     response = server.client.post("/admin/load_weights", json=body)
     assert response.status_code == 400

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from rl.model import (
+from rl.core.model import (
     ensure_checkpoint,
     inference_state,
     load_model,
     load_tokenizer,
     publish_weights,
 )
-from rl.rundir import COMPLETE, RunDir
-from rl.testing import compose_run
+from rl.core.rundir import COMPLETE, RunDir
 from rl.weights.sync import TensorSpec, WeightGroupSpec, WeightReceiver, WeightSender, buckets
+from tests.support.runs import compose_run
 
 
 def updates(seed: int) -> dict[str, torch.Tensor]:

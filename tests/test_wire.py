@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl import wire
+from rl.core import wire
 
 f32 = st.floats(min_value=-50, max_value=0, width=32)
 sample = st.builds(

@@ -4,21 +4,22 @@ by token from the orchestrator's episode through the wire to the trainer's micro
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from rl import wire
-from rl.advantages import group_mean
+from rl.core import wire
+from rl.core.model import encode_prompt, ensure_checkpoint, load_tokenizer
+from rl.core.records import Completion, Sample
 from rl.envs import Example, make_environment
 from rl.envs.wordle import feedback, parse_guess
-from rl.model import encode_prompt, ensure_checkpoint, load_tokenizer
-from rl.orchestrator import InferenceClient, run_episodes, score_group
-from rl.records import Sample
-from rl.testing import TOKEN, compose_run, embedded_server
-from rl.trainer import Trainer
+from rl.inference.client import InferenceClient
+from rl.orchestrator.advantages import group_mean
+from rl.orchestrator.episodes import run_episodes
+from rl.orchestrator.scoring import score_group
+from rl.trainer.batches import micro_batch
+from tests.support.runs import TOKEN, compose_run, embedded_server
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +87,10 @@ class ScriptedClient:
         text = self.guesses[len(self.calls) - 1]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ids.append(self.tokenizer.eos_token_id)
-        choice = {
-            "text": text,
-            "token_ids": ids,
-            "logprobs": {"token_logprobs": [-0.5] * len(ids)},
-            "policy_version": len(self.calls),
-            "policy_version_max": len(self.calls),
-        }
-        return [dict(choice) for _ in prompts]
+        version = len(self.calls)
+        return [
+            Completion(p, ids, [-0.5] * len(ids), text, "stop", version, version) for p in prompts
+        ]
 
 
 def test_masks_cover_exactly_the_models_tokens(env: Any) -> None:
@@ -104,18 +101,17 @@ def test_masks_cover_exactly_the_models_tokens(env: Any) -> None:
     example = Example(env.prompt(), "cigar")
     client = ScriptedClient(tokenizer, [" crane", " xyzzy", " cigar"])
     (choice,) = run_episodes(client, env, tokenizer, [example], 1, 8, 1.0, 512)
-    assert choice["turns"] == [" crane", " xyzzy", " cigar"]
+    assert choice.turns == [" crane", " xyzzy", " cigar"]
     # Each request carried the whole transcript so far, as token ids.
     prompt = encode_prompt(tokenizer, example.prompt)
     assert client.calls[0] == [prompt]
-    assert client.calls[2][0] == prompt + choice["token_ids"][: choice["env_spans"][1][1]]
-    assert (choice["policy_version"], choice["policy_version_max"]) == (1, 3)
+    assert client.calls[2][0] == prompt + choice.completion_ids[: choice.env_spans[1][1]]
+    assert (choice.min_version, choice.max_version) == (1, 3)
 
     group = score_group(env, group_mean, example, [choice, choice])
     (decoded,), _ = wire.decode(wire.encode([group.to_dict()]))
     sample = Sample.parse(decoded["samples"][0])
-    trainer = SimpleNamespace(tokenizer=tokenizer, device=torch.device("cpu"))
-    batch = Trainer.micro_batch(trainer, [sample])
+    batch = micro_batch([sample], tokenizer.pad_token_id, torch.device("cpu"))
     mask = batch["mask"][0].tolist()
     sequence = batch["ids"][0].tolist()
 
@@ -158,13 +154,13 @@ def test_real_rollout_against_the_embedded_server(server: Any, env: Any) -> None
     choices = run_episodes(client, env, server.tokenizer, examples, 4, 8, 1.0, 512)
     assert len(choices) == 12
     for example, choice in zip([e for e in examples for _ in range(4)], choices, strict=True):
-        turns = choice["turns"]
+        turns = choice.turns
         assert 1 <= len(turns) <= 6
         # An unsolved game uses every guess; one environment reply between model turns.
-        assert len(choice["env_spans"]) == len(turns) - 1
+        assert len(choice.env_spans) == len(turns) - 1
         if not env.exact_match(example, turns):
             assert len(turns) == 6
-        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+        assert len(choice.logprobs) == len(choice.completion_ids)
         assert 0.0 <= env.reward(example, turns) <= 1.0
-        text = server.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+        text = server.tokenizer.decode(choice.completion_ids, skip_special_tokens=True)
         assert text.count("feedback:") == len(turns) - 1

@@ -35,7 +35,10 @@ import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the environments' package stays light: sandboxes start from it
+    from rl.core.records import Episode
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,10 @@ class Environment(ABC):
 
     def rollouts(
         self, inference: Any, examples: list[Example], n: int, temperature: float, max_len: int
-    ) -> list[dict[str, Any] | None] | None:
+    ) -> list[Episode | None] | None:
         """Episodes the environment plays itself through `inference` (an agent's, through the
-        proxy: rl/agents.py), as completion choices, None for one with no model turn; None:
-        the orchestrator plays them."""
+        proxy: rl/orchestrator/agents.py), None for one with no model turn; None: the
+        orchestrator plays them."""
         return None
 
 
@@ -140,7 +143,7 @@ BUILT_IN = {
     "wordle": "rl.envs.wordle:Wordle",
     "verifiers": "rl.envs.verifiers_env:VerifiersEnvironment",
     "code_repair": "rl.envs.code_repair:CodeRepair",
-    "agent": "rl.agents:AgentEnvironment",
+    "agent": "rl.orchestrator.agents:AgentEnvironment",
 }
 
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import httpx
 
-from rl import lora
-from rl.config import RunConfig
-from rl.derive import broadcast_backend, inference_backend
-from rl.model import inference_state
-from rl.rundir import RunDir
-from rl.runtime import Peer, auth_headers, inference_names, run_token, server_host
+from rl.core.config import RunConfig
+from rl.core.derive import broadcast_backend, inference_backend
+from rl.core.model import inference_state
+from rl.core.rundir import RunDir
+from rl.core.runtime import Peer, auth_headers, inference_names, run_token, server_host
+from rl.weights import lora
 from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S, WeightPublisher
 from rl.weights.sync import WeightGroupSpec, WeightSender
 

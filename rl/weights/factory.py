@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rl.config import RunConfig, WeightTransport
+from rl.core.config import RunConfig, WeightTransport
 from rl.weights.base import VersionWaiter, WeightPublisher
 from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, FilesystemWaiter
 

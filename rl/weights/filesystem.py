@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rl import lora
-from rl.model import publish_weights
-from rl.rundir import BROADCAST, RunDir, is_complete
+from rl.core.model import publish_weights
+from rl.core.rundir import BROADCAST, RunDir, is_complete
+from rl.weights import lora
 from rl.weights.base import VersionWaiter, WeightPublisher
 
 POLL_S = 0.01  # how often inference looks for a new version while it waits for one

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rl.rundir import RunDir, is_complete, shared_point
+from rl.core.rundir import RunDir, is_complete, shared_point
 
 
 class RefusedWeights(ValueError):

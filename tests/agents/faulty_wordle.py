@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from rl.agents import load_agent
+from rl.orchestrator.agents import load_agent
 
 play_well = load_agent("docs/agents/wordle_agent.py:play")
 episodes = itertools.count(1)

@@ -36,10 +36,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from rl.core.chat import ChatTemplate
 from rl.envs import Environment, Example, check_args
 from rl.envs.code_repair import sandbox
 from rl.envs.code_repair.tasks import Task, make_task
-from rl.envs.code_repair.tools import ChatFormat, Tool, ToolCall, parse_tool_calls
+from rl.envs.code_repair.tools import Tool, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
 SYSTEM = "You are a careful Python programmer. You fix bugs with the tools you are given."
@@ -126,7 +127,8 @@ class CodeRepair(Environment):
         self.tools = {t.name: t for t in TOOLS}
         self.slots = threading.BoundedSemaphore(self.args.sandboxes)
         self.limits = sandbox.Limits(wall_s=self.args.wall_s, memory_mb=self.args.memory_mb)
-        self.format: ChatFormat | None = None
+        self.template: ChatTemplate | None = None
+        self.schemas = [t.schema() for t in TOOLS]
         self._train = [self._example("train", i) for i in range(self.args.train_tasks)]
         self._eval = [self._example("eval", i) for i in range(env_cfg.eval_size)]
         self._score = lru_cache(maxsize=4096)(self._score_uncached)
@@ -152,15 +154,19 @@ class CodeRepair(Environment):
     # The chat side: prompts and tool turns in the model's template.
 
     def use_tokenizer(self, tokenizer: Any) -> None:
-        self.format = ChatFormat(tokenizer, TOOLS)
+        self.template = ChatTemplate(tokenizer)
 
     def prompt_ids(self, example: Example) -> list[int]:
-        assert self.format is not None, "use_tokenizer first"
-        return self.format.prompt_ids(SYSTEM, example.prompt)
+        assert self.template is not None, "use_tokenizer first"
+        opening = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": example.prompt},
+        ]
+        return self.template.prompt_ids(opening, self.schemas)
 
     def respond(self, example: Example, turns: list[str]) -> str | None:
         """The tool turn answering the latest model turn; None when it called no tool."""
-        assert self.format is not None, "use_tokenizer first"
+        assert self.template is not None, "use_tokenizer first"
         calls, errors = parse_tool_calls(turns[-1], self.tools)
         if not calls and not errors:
             return None
@@ -169,7 +175,8 @@ class CodeRepair(Environment):
         results = [self.execute(call, files, task)[0] for call in calls]
         results += [f"error: {e}" for e in errors]
         cap = self.args.max_result_chars
-        return self.format.tool_turn([r if len(r) <= cap else r[:cap] + "\n[cut]" for r in results])
+        cut = [r if len(r) <= cap else r[:cap] + "\n[cut]" for r in results]
+        return self.template.after_turn([{"role": "tool", "content": r} for r in cut], self.schemas)
 
     # Tools. Each returns (text for the model, whether the call did what it asked).
 

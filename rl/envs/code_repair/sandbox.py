@@ -51,6 +51,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rl.core.paths import ROOT
+
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -221,7 +223,7 @@ def check() -> str:
 
 def _package_root() -> str:
     """The directory that holds `rl`, for the bootstrap's import path."""
-    return str(Path(__file__).resolve().parents[__name__.count(".")])
+    return str(ROOT)
 
 
 def _exit_code(status: int) -> int:

@@ -1,11 +1,8 @@
 """Tool calling for multi-turn environments: tools as JSON schemas, offered through the model's
-chat template, calls parsed from the model's turn, results sent back as tool turns.
+chat template (rl/core/chat.py renders them), and calls checked against them.
 
 The call format is the Hermes one that Qwen3's template teaches and vLLM's `hermes` parser
-reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn. A
-template that renders `tools` itself (Qwen3's) gets them as `tools=`; for one that does not
-(SmolLM2's), the same declarations and instructions go into the system message. A tokenizer
-without a template gets a plain ChatML one.
+reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn.
 
 Malformed calls (not JSON, an unknown tool, missing or ill-typed arguments, an unclosed tag) are
 not exceptions for the rollout: each becomes an error line in the tool turn, so the model sees
@@ -19,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.chat import CALL, CHATML, MARK, tools_prompt
+from rl.core.chat import CALL, parsed_arguments
 
 JSON_TYPES = {
     "string": str,
@@ -83,12 +80,9 @@ def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[list[ToolCall],
 def _check_call(raw: Any, tools: dict[str, Tool]) -> ToolCall:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise ValueError('expected {"name": <tool>, "arguments": {...}}')
-    name, args = raw["name"], raw.get("arguments", {})
-    if isinstance(args, str):  # some models send the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{name}: arguments are not valid JSON ({err.msg})") from err
+    name, args = raw["name"], parsed_arguments(raw.get("arguments", {}))
+    if isinstance(args, str):
+        raise ValueError(f"{name}: arguments are not valid JSON")
     if name not in tools:
         raise ValueError(f"unknown tool {name!r}; tools: {', '.join(tools)}")
     if not isinstance(args, dict):
@@ -106,51 +100,3 @@ def _check_call(raw: Any, tools: dict[str, Tool]) -> ToolCall:
         if not isinstance(value, want) or (isinstance(value, bool) and want is int):
             raise ValueError(f"{name}: {param} must be a {schema['type']}")
     return ToolCall(name, args)
-
-
-def tools_system_text(tools: list[Tool]) -> str:
-    """The tool declarations and call instructions, for a template that cannot render tools."""
-    return tools_prompt([t.schema() for t in tools])
-
-
-class ChatFormat:
-    """Renders an episode through one tokenizer's chat template: the opening prompt with the
-    tools, and the tool turns that follow a model turn."""
-
-    def __init__(self, tokenizer: Any, tools: list[Tool]) -> None:
-        self.tokenizer = tokenizer
-        self.tools = tools
-        self.template = tokenizer.chat_template or CHATML
-        self.native = "tools" in self.template
-        self.end = tokenizer.eos_token or ""
-
-    def render(self, messages: list[dict[str, str]], generation: bool) -> str:
-        kwargs: dict[str, Any] = {"tools": [t.schema() for t in self.tools]} if self.native else {}
-        return self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=self.template,
-            add_generation_prompt=generation,
-            tokenize=False,
-            **kwargs,
-        )
-
-    def opening(self, system: str, user: str) -> list[dict[str, str]]:
-        if not self.native:
-            system = f"{system}\n\n{tools_system_text(self.tools)}"
-        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-    def prompt_ids(self, system: str, user: str) -> list[int]:
-        text = self.render(self.opening(system, user), generation=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def tool_turn(self, results: list[str]) -> str:
-        """The text after a model turn that ended with the end-of-turn token: its tool results
-        as the template writes tool messages, then the next assistant header."""
-        messages = [
-            {"role": "user", "content": "u"},
-            {"role": "assistant", "content": MARK},
-            *({"role": "tool", "content": r} for r in results),
-        ]
-        text = self.render(messages, generation=True)
-        after = text[text.index(MARK) + len(MARK) :]
-        return after[len(self.end) :] if self.end and after.startswith(self.end) else after

@@ -1,0 +1,678 @@
+"""Typed schema of a Relay run: the one source of defaults for every config group.
+
+Each YAML option under conf/ selects and overrides values of these dataclasses; Hydra validates
+it against them when the run is composed, so an unknown key or a wrong type fails before
+anything starts. This module imports no torch: `rl --help` and planning must stay fast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import StrEnum
+from typing import Any
+
+from omegaconf import II, MISSING, OmegaConf
+
+MAX_SEED = 2**63 - 1
+"""torch.manual_seed takes a signed 64-bit integer."""
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid range of a numeric setting, kept on its field (`bounded`) and checked before
+    anything starts (launcher/checks.py). None on either side: unbounded there; `also`: values
+    valid outside the range (-1 for "fill"); `text` replaces the generated description and
+    `note` says what a boundary value means."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    also: tuple[Any, ...] = ()
+    text: str = ""
+    note: str = ""
+
+    def admits(self, value: Any) -> bool:
+        if value in self.also:
+            return True
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    def describe(self) -> str:
+        """What is valid, as the refusal says it: `must be >= 1 (0 skips the warm-up)`."""
+        text = self.text or self._generated()
+        return f"{text} ({self.note})" if self.note else text
+
+    def _generated(self) -> str:
+        if self.gt == 0 and self.le is None and self.lt is None:
+            return "must be a positive number"
+        if self.ge is not None and self.le is not None:
+            return f"must be between {self.ge} and {self.le}"
+        parts = [f"{op} {value}" for op, value in (
+            (">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt)
+        ) if value is not None]  # fmt: skip
+        return "must be " + " and ".join(parts)
+
+
+def bounded(default: Any, **bounds: Any) -> Any:
+    """A dataclass field with `default` and the `Bounds` its values must keep to."""
+    return field(default=default, metadata={"bounds": Bounds(**bounds)})
+
+
+SECONDS = "must be a positive number of seconds"
+
+
+GROUPS = ("model", "parallel", "algorithm", "environment", "cluster")
+DEFAULT_MICRO_BATCH_TOKENS = 8192
+"""`trainer.micro_batch_tokens` unless set (and the queue's when a rank names none)."""
+
+
+class WeightSource(StrEnum):
+    random = "random"
+    gguf_package = "gguf_package"
+    hf = "hf"
+
+
+class TokenizerKind(StrEnum):
+    hf = "hf"
+    char = "char"
+
+
+class Loss(StrEnum):
+    default = "default"
+    aipo = "aipo"
+    grpo = "grpo"
+    gspo = "gspo"
+    cispo = "cispo"
+
+
+class Normalization(StrEnum):
+    token = "token"
+    sequence = "sequence"
+    constant = "constant"
+
+
+class Advantage(StrEnum):
+    group_mean = "group_mean"
+    zscore = "zscore"
+    rloo = "rloo"
+
+
+class ClusterKind(StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
+class Placement(StrEnum):
+    """How inference and trainer share a machine's devices."""
+
+    split = "split"
+    """Side by side: a GPU each (or, on one GPU, its memory split: shared), half the cores
+    each on CPU; asynchronous."""
+    colocated = "colocated"
+    """Taking turns, each with the whole device while it runs: on-policy."""
+
+
+class Action(StrEnum):
+    run = "run"
+    status = "status"
+    cancel = "cancel"
+    export = "export"
+
+
+class TrainerDevice(StrEnum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class Backend(StrEnum):
+    embedded = "embedded"
+    vllm = "vllm"
+
+
+class WeightTransport(StrEnum):
+    filesystem = "filesystem"
+    broadcast = "broadcast"
+
+
+class BroadcastBackend(StrEnum):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+@dataclass
+class ModelInferenceConfig:
+    """How inference servers should serve this model (vLLM settings a user would set)."""
+
+    quantization: str | None = None
+    """Weight quantisation for serving, e.g. `fp8`; None serves the training dtype."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache dtype, e.g. `fp8`; `auto` follows the model dtype."""
+    max_model_len: int | None = None
+    """Longest prompt + completion served; None uses the model's context length."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each GPU's memory vLLM may claim."""
+    pd_disaggregation: bool = False
+    """Serve each replica as a prefill and a decode instance that hand over the KV cache, with
+    Relay's router in front (rl/inference/router.py; large MoE models). Needs
+    inference.backend=vllm."""
+    kv_connector: str | None = None
+    """vLLM's KV connector between prefill and decode: None is NixlConnector on GPUs and
+    ExampleConnector (KV through files under the run directory) on CPU."""
+    speculative_method: str | None = None
+    """Speculative decoding method, e.g. `mtp` for models that ship MTP layers."""
+    num_speculative_tokens: int = 0
+    """Tokens proposed per speculative step (0 disables speculation)."""
+    tool_call_parser: str | None = None
+    """vLLM tool-call parser matching the model's chat template."""
+    reasoning_parser: str | None = None
+    """vLLM reasoning parser that splits thinking from the answer."""
+    trust_remote_code: bool = False
+    """Whether the server must run code shipped with the checkpoint."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: train a low-rank adapter on some of the model's Linear modules instead of every
+    weight (rl/core/lora.py). Only the adapter and its optimiser state train, are checkpointed and
+    travel to inference; the supervised warm-up, when the run has one, still trains the whole
+    model, which becomes the base (version 0) the adapter is trained on."""
+
+    rank: int = bounded(0, ge=0, note="0 trains every weight, no LoRA")
+    """Rank of each adapted module's update (B @ A); 0 trains every weight (no LoRA)."""
+    alpha: float | None = None
+    """Scale numerator: the update is (alpha / rank) * B @ A; None: twice the rank."""
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names of the Linear modules to adapt (e.g. `[q_proj, v_proj]`); empty: the model
+    family's attention projections (rl/core/lora.py's TARGETS). Routed experts cannot be adapted."""
+
+
+@dataclass
+class ModelConfig:
+    """A model: its architecture facts (for planning) and where its weights come from."""
+
+    name: str = MISSING
+    """Short name used in run names and logs."""
+    hf_id: str | None = None
+    """Hugging Face repository id of the published checkpoint (None for locally built models)."""
+    path: str | None = None
+    """Local checkpoint directory in HF layout; overrides `hf_id` (clusters without a hub)."""
+    source: WeightSource = WeightSource.hf
+    """Where weights come from: `random` (built here from this config), `gguf_package`, `hf`."""
+    gguf_package: str | None = None
+    """Installed Python package (import name) that ships the GGUF file (`source: gguf_package`)."""
+    gguf_file: str | None = None
+    """GGUF file inside `gguf_package`, converted once to an HF checkpoint in the cache."""
+    architecture: str = MISSING
+    """transformers architecture class, e.g. `Qwen3ForCausalLM`."""
+    model_type: str = MISSING
+    """transformers `model_type` of the config, e.g. `qwen3`, `qwen3_moe`, `glm_moe_dsa`."""
+    num_layers: int = MISSING
+    """Decoder blocks."""
+    hidden_size: int = MISSING
+    """Residual stream width."""
+    intermediate_size: int = MISSING
+    """Dense MLP width (for MoE models: the dense layers' width)."""
+    num_attention_heads: int = MISSING
+    """Query heads."""
+    num_kv_heads: int = MISSING
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = MISSING
+    """Width of one attention head."""
+    vocab_size: int = MISSING
+    """Tokenizer vocabulary size (rows of the embedding)."""
+    context_length: int = MISSING
+    """Longest sequence the model is trained for (max_position_embeddings)."""
+    tie_word_embeddings: bool = False
+    """Whether the output projection shares the input embedding."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Routed experts active per token."""
+    num_shared_experts: int = 0
+    """Always-active shared experts per MoE layer."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's MLP."""
+    first_dense_layers: int = 0
+    """Leading decoder blocks that use a dense MLP instead of MoE."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """Further transformers config attributes for a model built here (`source: random`), such
+    as GLM-5's attention ranks for a tiny instance."""
+    total_params_b: float = MISSING
+    """Total parameters, in billions (as published)."""
+    active_params_b: float = MISSING
+    """Parameters active per token, in billions (as published)."""
+    dtype: str = "bfloat16"
+    """Training and checkpoint dtype."""
+    lr: float = bounded(1e-6, gt=0)
+    """Learning rate this model trains well with: the default of `algorithm.lr`, which is
+    the one the trainer uses."""
+    tokenizer: TokenizerKind = TokenizerKind.hf
+    """Tokenizer kind: `hf` (shipped with the checkpoint) or `char` (built locally)."""
+    inference: ModelInferenceConfig = field(default_factory=ModelInferenceConfig)
+    """Serving settings for this model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter training (`model.lora.rank=16`); rank 0 trains the whole model."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass
+class TrainerParallelConfig:
+    """Trainer DeviceMesh degrees (torchtitan's ParallelDims)."""
+
+    nodes: int = 1
+    """Nodes the trainer spans; 0 lets the planner size it from the model's memory."""
+    dp_replicate: int = bounded(1, ge=1)
+    """Replicated data-parallel groups (HSDP's outer dimension)."""
+    dp_shard: int = bounded(-1, ge=1, also=(-1,), note="or -1 to fill")
+    """FSDP shard degree; -1 takes every rank the other degrees leave."""
+    ep: int = bounded(1, ge=1)
+    """Expert-parallel degree; borrows ranks from dp_shard, must divide it and the expert count."""
+    cp: int = bounded(1, ge=1)
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    tp: int = 1
+    """Must be 1: the trainer has no tensor parallelism, and the planner refuses other values
+    (the inference servers' degree is `parallel.inference.tp`)."""
+
+
+@dataclass
+class InferenceParallelConfig:
+    """Inference replicas and each replica's vLLM parallel degrees."""
+
+    replicas: int = bounded(1, ge=1)
+    """Independent inference servers the orchestrator spreads requests over."""
+    nodes_per_replica: int = 1
+    """Nodes one replica spans; 0 lets the planner size it from the model's weights."""
+    tp: int = bounded(1, ge=1)
+    """Tensor-parallel size inside a node."""
+    dp: int = bounded(1, ge=1, also=(-1,), note="or -1: every GPU left")
+    """Data-parallel ranks inside one replica (attention DP for MoE); -1: every GPU left."""
+    expert_parallel: bool = False
+    """Shard experts across the replica's GPUs instead of tensor-slicing them."""
+
+
+@dataclass
+class ParallelConfig:
+    """How trainer and inference are laid out over devices."""
+
+    name: str = MISSING
+    """Option name."""
+    trainer: TrainerParallelConfig = field(default_factory=TrainerParallelConfig)
+    """Trainer degrees."""
+    inference: InferenceParallelConfig = field(default_factory=InferenceParallelConfig)
+    """Inference degrees."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective: loss, advantage estimator, optimiser and off-policy budget."""
+
+    name: str = MISSING
+    """Option name."""
+    loss: Loss = Loss.default
+    """Loss in the registry (rl/trainer/losses.py): default, aipo, grpo, gspo, cispo."""
+    normalization: Normalization = Normalization.token
+    """How token losses become one number: per token over the batch, per sequence, or
+    Dr.GRPO's constant (sequences x environment.max_tokens)."""
+    advantage: Advantage = Advantage.group_mean
+    """Advantage estimator: `group_mean` (Dr.GRPO-style, no std), `zscore`, `rloo`."""
+    lr: float | None = bounded(II("model.lr"), gt=0, note="default: model.lr")
+    """The learning rate, the one the trainer uses: by default the model option's `lr` (the
+    rate that model trains well with); `rl --cfg job --resolve` shows the value."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    max_grad_norm: float = bounded(1.0, gt=0)
+    """Gradient clipping norm."""
+    prob_diff_pos: float = 0.2
+    """Default loss: mask tokens with positive advantage once trainer prob exceeds inference
+    prob by more than this."""
+    prob_diff_neg: float = 0.2
+    """Default loss: mask tokens with negative advantage once trainer prob is below inference
+    prob by more than this."""
+    log_ratio_coef: float = 0.001
+    """Default loss: weight of the squared log-ratio term against the inference policy."""
+    aipo_delta: float = 4.0
+    """AIPO: the importance ratio is truncated at this value."""
+    clip_low: float = 0.2
+    """GRPO/PPO: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.28
+    """GRPO/PPO: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher)."""
+    kl_coef: float = 0.0
+    """GRPO/PPO: weight of the k3 KL to the reference model (the post-warm-up weights)."""
+    seq_clip_low: float = 3e-4
+    """GSPO: the sequence ratio is clipped below at 1 - seq_clip_low."""
+    seq_clip_high: float = 4e-4
+    """GSPO: the sequence ratio is clipped above at 1 + seq_clip_high."""
+    is_max: float = 4.0
+    """CISPO: the stop-gradient importance weight is clipped above at this value."""
+    length_penalty: float = 0.0
+    """Subtracted from a reward per completion token, as a fraction of environment.max_tokens."""
+    filter_zero_advantage: bool = True
+    """Drop groups whose advantages are all zero (they carry no signal) and sample new prompts."""
+    async_level: int = bounded(1, ge=0)
+    """Generate for step N once inference holds version >= N - async_level (0: on-policy)."""
+    max_off_policy_steps: int = bounded(8, ge=0)
+    """Drop samples whose oldest generating version is further behind than this."""
+    temperature: float = bounded(1.0, ge=0)
+    """Sampling temperature for training rollouts."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """A task: prompts, rollout and reward."""
+
+    name: str = MISSING
+    """Environment id in the registry."""
+    max_tokens: int = bounded(32, ge=1)
+    """Most completion tokens sampled per turn."""
+    group_size: int = bounded(8, ge=2, text="needs >= 2 for a baseline")
+    """Completions per prompt (the group the advantage baseline is taken over)."""
+    prompts_per_step: int = bounded(16, ge=1)
+    """Prompts per trainer step (batch = prompts_per_step x group_size)."""
+    eval_size: int = bounded(128, ge=1)
+    """Held-out prompts scored at each eval."""
+    eval_every: int = bounded(10, ge=0, note="0: only first and last")
+    """Trainer steps between evals (plus one before RL and one at the end)."""
+    seed: int = bounded(0, ge=0, le=MAX_SEED)
+    """Seed of the train/eval split and prompt sampling."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Environment-specific settings (see the environment's module docstring)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the run executes: this machine, or a Slurm cluster through submitit."""
+
+    name: str = MISSING
+    """Option name."""
+    kind: ClusterKind = ClusterKind.local
+    """`local` (child processes here) or `slurm` (jobs submitted with submitit)."""
+    nodes: int = 1
+    """Nodes available to one run (local: 1)."""
+    gpus_per_node: int | None = None
+    """GPUs on each node (0: CPU-only); None: on cluster=local, the GPUs `nvidia-smi` finds
+    here (0 without one), on Slurm 0."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU in GiB, for the planner's fit checks (0 skips them); None: what
+    `nvidia-smi` reports on cluster=local, else 0."""
+    cpus_per_node: int = 2
+    """CPU cores per node."""
+    mem_gb_per_node: int = 24
+    """Host memory per node."""
+    partition: str | None = None
+    """Slurm partition; None uses the cluster's default partition."""
+    account: str | None = None
+    """Slurm account."""
+    qos: str | None = None
+    """Slurm QOS."""
+    constraint: str | None = None
+    """Slurm node feature constraint."""
+    time_min: int = bounded(1440, ge=1, note="minutes of wall time per job")
+    """Slurm wall-time limit per job, in minutes."""
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    """Further sbatch options passed through unchanged."""
+    master_port: int | None = bounded(None, ge=1, le=MAX_PORT, text=f"must be 1 to {MAX_PORT}")
+    """torch.distributed rendezvous port on the first trainer node; None: 29500 locally, and on
+    Slurm a port derived from the trainer's job id, so runs sharing a node do not collide."""
+    omp_threads: int | None = None
+    """Threads per role process on CPU-only nodes; None: every CPU of the node on Slurm (each
+    role group has nodes of its own), half of them locally (trainer and inference share)."""
+    exclusive: bool = False
+    """Slurm: ask for whole nodes (`--exclusive`) for the trainer and inference jobs."""
+    signal_delay_s: int = bounded(120, ge=0)
+    """Slurm: seconds before the time limit at which a job is told to checkpoint and requeue."""
+    max_requeues: int = 3
+    """Slurm: how often a timed-out job is requeued (preemptions are always requeued)."""
+
+
+@dataclass
+class InferenceConfig:
+    """The inference role."""
+
+    backend: Backend | None = None
+    """`embedded` (transformers, CPU or one GPU) or `vllm`; None: vllm where the cluster has
+    GPUs, embedded on CPU."""
+    max_batch_size: int = bounded(512, ge=1)
+    """Most sequences the embedded engine decodes together."""
+    vllm_python: str | None = None
+    """Python interpreter with vLLM installed (vLLM pins its own torch, so it often lives in
+    a separate environment); None uses the interpreter running Relay."""
+    port: int = bounded(0, ge=0, le=MAX_PORT, text=f"must be 0 (any free) to {MAX_PORT}")
+    """Port to listen on; 0 picks a free one and records it in the run directory."""
+    weight_transport: WeightTransport = WeightTransport.filesystem
+    """How new weights reach inference: `filesystem` (the trainer writes `weights/step_N`, the
+    orchestrator has every server load it) or `broadcast` (trainer rank 0 sends them to every
+    inference worker over a process group of their own, no disk; `weights/step_N` is then
+    written only for version 0, checkpointed versions and the last one)."""
+    broadcast_backend: BroadcastBackend | None = None
+    """Process-group backend of `broadcast`: `nccl` (GPUs on both ends) or `gloo`; None: nccl
+    where the cluster has GPUs and the trainer sees CUDA, gloo otherwise."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank the servers accept (vLLM's `--max-lora-rank`); None: the run's
+    `model.lora.rank`. A run whose rank is above it is refused at plan time."""
+    max_loras: int | None = bounded(None, ge=1)
+    """Adapters a server holds at once (vLLM's `--max-loras`); None: 1, or in a sweep with
+    `shared` inference one per sweep point. A shared sweep with more points is refused."""
+    shared: bool = False
+    """In a multirun of LoRA runs (`rl -m ...`): one inference service for the whole sweep,
+    holding each point's adapter under the point's name, with every point's queue,
+    orchestrator and trainer running side by side (docs/lora.md)."""
+    broadcast_timeout_s: float = bounded(300.0, gt=0, text=SECONDS)
+    """Seconds a broadcast waits for an inference server (to join the group, to take the
+    weights, to report the new version) before the trainer fails naming it."""
+
+
+@dataclass
+class QueueConfig:
+    """The rollout queue between orchestrator and trainer."""
+
+    capacity: int = 1024
+    """Most groups waiting to be trained; a full queue answers 429 and producers wait."""
+    max_request_mb: int = bounded(64, ge=1)
+    """Largest request body accepted."""
+    port: int = bounded(0, ge=0, le=MAX_PORT, text=f"must be 0 (any free) to {MAX_PORT}")
+    """Port to listen on; 0 picks a free one and records it in the run directory."""
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up (SFT) run by the trainer before RL."""
+
+    steps: int = bounded(0, ge=0, note="0 skips the warm-up")
+    """SFT optimiser steps (0 skips the warm-up)."""
+    lr: float = bounded(1e-3, gt=0)
+    """SFT learning rate."""
+    batch_size: int = bounded(64, ge=1)
+    """Examples per SFT step."""
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer role."""
+
+    micro_batch_tokens: int = bounded(DEFAULT_MICRO_BATCH_TOKENS, ge=1)
+    """Most tokens (prompt + completion) per forward/backward pass; the queue packs samples into
+    micro-batches under this budget and gradients are accumulated across them."""
+    checkpoint_every: int = bounded(50, ge=0, note="0: only at the end")
+    """Steps between checkpoints (0: only at the end). A trainer that starts and finds a
+    checkpoint in the run directory resumes from the newest one; a preempted Slurm job also
+    checkpoints at the step it was stopped at."""
+    keep_weights: int = bounded(3, ge=1)
+    """Published weight versions kept on disk (older ones are deleted)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass (less memory, ~1/3 more
+    compute)."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimiser state in host memory."""
+    packing: bool = True
+    """Pack a micro-batch's samples into rows as long as its longest sample, with attention
+    kept inside each sample (rl/trainer/packing.py); False pads one sample per row."""
+    share_prompts: bool = True
+    """With packing (and no CP): samples of a micro-batch with the same prompt (a group) share
+    one copy of it in their row, so it is computed once instead of once per sample."""
+    device: TrainerDevice = TrainerDevice.auto
+    """Where each rank computes: `auto` (its GPU when the cluster has GPUs and torch sees them,
+    else the CPU), `cuda` or `cpu` (gloo collectives)."""
+
+
+@dataclass
+class TimeoutsConfig:
+    """Deadlines: no wait in Relay is unbounded. When one passes, the waiting role fails with an
+    error naming what it waited for, and the launcher restarts it (within `max_restarts`)."""
+
+    request_s: float = bounded(600.0, gt=0, text=SECONDS)
+    """One HTTP request from a role to another (a batch of completions included)."""
+    peer_s: float = bounded(900.0, gt=0, text=SECONDS)
+    """A role waits this long for a peer's server to answer again (restarted, or starting)."""
+    batch_s: float = bounded(3600.0, gt=0, text=SECONDS)
+    """The trainer waits this long for a step's batch from the queue."""
+    weights_s: float = bounded(3600.0, gt=0, text=SECONDS)
+    """The orchestrator waits this long for the trainer to publish a weights version."""
+    collective_s: float = bounded(1800.0, gt=0, text=SECONDS)
+    """torch.distributed rendezvous and collectives between trainer ranks."""
+    ready_s: float = bounded(900.0, gt=0, text=SECONDS)
+    """The launcher waits this long for every server to listen after starting it."""
+    hung_s: float = bounded(120.0, ge=1, note="seconds")
+    """A role that shows no sign of life this long is hung: its process group is killed and the
+    role restarted. Each role beats from a thread (a server only while its own /health
+    answers); a stopped or frozen process stops beating."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging."""
+
+    project: str = "relay"
+    """wandb project."""
+    mode: str | None = None
+    """`online`, `offline` or `disabled`; None: online with an API key, else offline."""
+    group: str | None = None
+    """Run group (a sweep sets it)."""
+    flush_s: float = 2.0
+    """Seconds between writes of the wandb run's file in the run directory: what a watcher
+    sees live, and the most a crash can lose."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: five groups plus the run-level keys."""
+
+    model: ModelConfig = MISSING
+    """Group `model`: architecture facts and weight source."""
+    parallel: ParallelConfig = MISSING
+    """Group `parallel`: trainer mesh degrees and inference layout."""
+    algorithm: AlgorithmConfig = MISSING
+    """Group `algorithm`: loss, advantages, optimiser, staleness budget."""
+    environment: EnvironmentConfig = MISSING
+    """Group `environment`: the task."""
+    cluster: ClusterConfig = MISSING
+    """Group `cluster`: this machine or Slurm."""
+    name: str = "${relay_env_id:${environment}}-${model.name}"
+    """Run name (the run directory and wandb run are named after it)."""
+    seed: int = bounded(0, ge=0, le=MAX_SEED)
+    """Global seed."""
+    placement: Placement = Placement.split
+    """`split`: inference and trainer side by side, asynchronously (one GPU is shared, its
+    memory split); `colocated` (group `placement`): they take turns, each with the whole device
+    (every core on CPU; on GPU vLLM sleeps while the trainer runs), on-policy by
+    construction."""
+    max_steps: int = bounded(20, ge=1)
+    """RL trainer steps."""
+    dry_run: bool = False
+    """Print the plan and exit without starting or submitting anything."""
+    action: Action = Action.run
+    """`run` starts (locally) or submits (Slurm) the run; `status` shows the jobs and latest
+    step of a run; `cancel` cancels a Slurm run's jobs and records why; `export` writes the
+    run's newest published version as full HF weights (a LoRA adapter merged into its base)."""
+    run_dir: str | None = None
+    """For action=status/cancel/export: the run directory; None: the newest run named
+    `name`."""
+    resume: str | None = None
+    """Continue the interrupted run in this directory, with the config it was started with."""
+    max_restarts: int = bounded(3, ge=0, note="0 stops the run at the first death")
+    """Times each role is restarted after it dies (the queue from its store, the orchestrator
+    from the queue, the trainer from its checkpoint, inference with the newest weights) before
+    the run stops with an error naming it; 0 stops the run at the first death."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Inference role settings."""
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """Rollout queue settings."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up before RL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer role settings."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Experiment tracking."""
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    """Deadlines of every wait."""
+
+
+def environment_id(environment: Any) -> str:
+    """What a run is named after: the environment's own id where it has one (a verifiers
+    environment's `args.id`), else the environment's name."""
+    args = environment.get("args") or {}
+    found = args.get("id") if hasattr(args, "get") else None
+    return str(found) if found else str(environment.name)
+
+
+def dirname(text: str) -> str:
+    """`text` fit to be one directory's name (a sweep point's overrides)."""
+    safe = "".join(c if c.isalnum() or c in "=,.-_+" else "_" for c in text)
+    return safe[:200] or "defaults"
+
+
+# The schema's own defaults use these (`name`), so they are registered wherever it is loaded.
+OmegaConf.register_new_resolver("relay_env_id", environment_id, replace=True)
+OmegaConf.register_new_resolver("relay_dirname", dirname, replace=True)
+
+
+def register() -> None:
+    """Register the schema in Hydra's ConfigStore under the name conf/config.yaml extends."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="relay_schema", node=RunConfig)
+
+
+# Each role's entry point (`python -m <module> --run-dir ...`).
+ROLE_MODULES = {
+    "queue": "rl.queue",
+    "inference": "rl.inference",
+    "router": "rl.inference.router",  # a prefill/decode replica's front (pd_disaggregation)
+    "orchestrator": "rl.orchestrator",
+    "trainer": "rl.trainer",
+}
+
+
+def bounded_settings(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Bounds]]:
+    """Every setting of the schema that carries `Bounds`, by its dotted key."""
+    for f in fields(schema):
+        if "bounds" in f.metadata:
+            yield f"{prefix}{f.name}", f.metadata["bounds"]
+        nested = _schema_class(f)
+        if nested is not None:
+            yield from bounded_settings(nested, f"{prefix}{f.name}.")
+
+
+def _schema_class(f: Any) -> type | None:
+    """The dataclass a field holds, if it holds one (a group or a nested section)."""
+    hint = f.type if isinstance(f.type, type) else globals().get(str(f.type))
+    return hint if hint is not None and is_dataclass(hint) else None

@@ -1,0 +1,464 @@
+"""The run directory: the one module that knows its layout.
+
+Every process of a run (the launcher, a Slurm job's supervisor, each role) finds the others and
+the run's state here, on a shared filesystem on a cluster:
+
+    config.yaml            the resolved run config (written once by the launcher)
+    plan.json              the RunPlan: processes, jobs and the values derived for them
+    token                  the run's bearer token (mode 0600)
+    overrides.json         the command-line overrides it was started (and resumed) with
+    pids.json              local launcher: each role's process group id
+    metrics.jsonl          one record per line, each with a `kind` (rl/core/records.py)
+    metrics.followed       how far the launcher has shown and logged metrics.jsonl
+    wandb_id, wandb/       the run's wandb run (logged live by the launcher)
+    summary.json, reward.png   written when the run ends (status: finished, failed, ...)
+    logs/<process>.log     each process's output
+    addresses/<name>.json  where a role's server listens (written once it listens)
+    queue.sqlite           the rollout queue's store (and its -wal file)
+    queue.marks.json       the store's high-water marks, to detect a store that lost commits
+    rollouts/samples.jsonl samples kept for inspection
+    weights/step_N/        published policy versions (HF layout, COMPLETE written last)
+    weights/BROADCAST      the newest version every server confirmed (broadcast transport)
+    checkpoints/step_N/    DCP checkpoints (COMPLETE last); checkpoints/reference.pt
+    control/               the supervisor's checkpoint request and the trainer's answer
+    jobs.json, failure.json, complete, done/<role>, ended/, slurm/<job>/   Slurm runs
+
+A sweep with shared inference (`inference.shared`) keeps, beside its points' run directories,
+`inference/` (the service's run directory: its config, token, addresses, logs) and `base/`
+(the one warm-up every point starts from); each point's adapter is served under
+`point_name(point)` and loaded from that point's own `weights/` (`shared_point`).
+
+Torch-free (the launcher imports it). Writes that others read while a run is live are atomic
+(a temporary file renamed into place), and appends to metrics.jsonl go through one lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Written last into a directory (a checkpoint, published weights, a built model): whoever sees
+# it may read the rest.
+COMPLETE = "COMPLETE"
+BROADCAST = "BROADCAST"
+CONFIG = "config.yaml"
+PLAN = "plan.json"
+METRICS = "metrics.jsonl"
+TOKEN = "token"
+STEP_PREFIX = "step_"
+
+
+SERVICE = "inference"  # a shared-inference sweep's service directory, beside its points
+BASE = "base"  # its one warm-up, beside its points
+POINT_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def point_name(point: Path) -> str:
+    """The name a sweep point's adapter is served under by the shared inference: `point-N`
+    for Hydra's N-th point (its directory `N-<overrides>`), else the directory's name."""
+    head = point.name.split("-", 1)[0]
+    if head.isdigit():
+        return f"point-{head}"
+    return POINT_NAME.sub("_", point.name)[:64]
+
+
+def shared_service(point: Path) -> Path:
+    """The inference service directory of a sweep point that shares it."""
+    return point.parent / SERVICE
+
+
+def point_dirs(sweep: Path) -> list[Path]:
+    """The run directories of a sweep's points (a shared-inference sweep's service and base
+    are not points)."""
+    found = (config.parent for config in sweep.glob(f"*/{CONFIG}"))
+    return sorted(p for p in found if p.name not in (SERVICE, BASE))
+
+
+def shared_point(service: Path, name: str) -> Path | None:
+    """The run directory of the sweep point served as `name`, or None."""
+    return next((p for p in point_dirs(service.parent) if point_name(p) == name), None)
+
+
+def mark_complete(folder: Path, sync: bool = False) -> None:
+    """Write the COMPLETE marker into `folder` (after an fsync of it with `sync`)."""
+    with open(folder / COMPLETE, "w") as f:
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE).exists()
+
+
+KV_FILES = "kv"
+"""Under a run directory: the KV prefill/decode replicas hand over through files."""
+
+
+def write_atomic(path: Path, text: str, durable: bool = False) -> None:
+    """Write `path` through a temporary file renamed into place: readers never see half. With
+    `durable`, the file and then its directory are fsynced: the new text survives a crash."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(text)
+    if durable:
+        fsync_path(tmp)
+    tmp.rename(path)
+    if durable:
+        fsync_path(path.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line with a single write, under the file's lock (several roles append to
+    metrics.jsonl, and a resuming trainer rewrites it)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of `path` ([] when it does not exist)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def drop_records(path: Path, drop: Callable[[dict[str, Any]], bool]) -> int:
+    """Remove the JSON lines for which `drop` is true, in place and under the file's lock;
+    returns how many went."""
+    if not path.exists():
+        return 0
+    with open(path, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        lines = [line for line in f.read().splitlines() if line.strip()]
+        kept = [line for line in lines if not drop(json.loads(line))]
+        f.seek(0)
+        f.write("".join(line + "\n" for line in kept))
+        f.truncate()
+    return len(lines) - len(kept)
+
+
+def step_versions(folder: Path) -> list[int]:
+    """The N of every complete `step_N` in `folder`, ascending."""
+    found = []
+    for path in folder.glob(f"{STEP_PREFIX}*"):
+        number = path.name.removeprefix(STEP_PREFIX)
+        if number.isdigit() and is_complete(path):
+            found.append(int(number))
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths and small file operations of one run directory."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    # --- written by the launcher -----------------------------------------------------------
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def plan(self) -> Path:
+        return self.root / PLAN
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / TOKEN
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids.json"
+
+    def is_run(self) -> bool:
+        """Whether this looks like a run directory (a config and a token)."""
+        return self.config.exists() and self.token_file.exists()
+
+    def create(self, cfg: Any, token: str, plan_json: str | None = None) -> None:
+        """Write a new run's config (resolved), plan and token; the token file must not exist
+        yet and is readable by its owner only."""
+        from omegaconf import OmegaConf
+
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if plan_json is not None:
+            self.plan.write_text(plan_json)
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    @property
+    def overrides_file(self) -> Path:
+        return self.root / "overrides.json"
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides the run was started with (and resumed with, after)."""
+        try:
+            return json.loads(self.overrides_file.read_text())
+        except FileNotFoundError:
+            return []
+
+    def add_overrides(self, overrides: list[str]) -> None:
+        write_atomic(self.overrides_file, json.dumps(self.overrides() + overrides))
+
+    def load_config(self) -> Any:
+        """The config as written (not re-validated: rl.core.runtime.load_run_config does that)."""
+        from omegaconf import OmegaConf
+
+        return OmegaConf.load(self.config)
+
+    def read_plan(self) -> dict[str, Any]:
+        return json.loads(self.plan.read_text())
+
+    def read_pids(self) -> dict[str, int]:
+        try:
+            return json.loads(self.pids.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def write_pids(self, pids: dict[str, int]) -> None:
+        write_atomic(self.pids, json.dumps(pids))
+
+    # --- results ---------------------------------------------------------------------------
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def reward_plot(self) -> Path:
+        return self.root / "reward.png"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts" / "samples.jsonl"
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.metrics, record)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics)
+
+    def append_rollout(self, record: dict[str, Any]) -> None:
+        self.rollouts.parent.mkdir(exist_ok=True)
+        append_jsonl(self.rollouts, record)
+
+    # --- processes and servers -------------------------------------------------------------
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    @property
+    def addresses(self) -> Path:
+        return self.root / "addresses"
+
+    def address_file(self, name: str) -> Path:
+        return self.addresses / f"{name}.json"
+
+    def write_address(self, name: str, host: str, port: int) -> None:
+        """Record where `name` listens (atomically)."""
+        self.addresses.mkdir(parents=True, exist_ok=True)
+        info = {"host": host, "port": port, "pid": os.getpid()}
+        write_atomic(self.address_file(name), json.dumps(info))
+
+    def kv_files(self, replica: str) -> Path:
+        """The KV a prefill/decode `replica` hands over through files (the file connector)."""
+        return self.root / KV_FILES / replica
+
+    def replica_nodes(self, instance: str) -> Path:
+        """Where the processes of inference `instance` spanning nodes find each other's
+        starts (rl/inference/vllm.py's SpanningReplica)."""
+        return self.root / "replicas" / instance
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / "heartbeats"
+
+    def heartbeat(self, name: str, pid: int) -> Path:
+        """The file process `pid` of role process `name` beats into (a counter)."""
+        return self.heartbeats / f"{name}.{pid}"
+
+    def heartbeats_of(self, name: str) -> list[Path]:
+        """The heartbeat files of every process of `name` (a trainer has one per rank)."""
+        return sorted(self.heartbeats.glob(f"{name}.*[0-9]"))
+
+    @property
+    def wall_time(self) -> Path:
+        """Seconds the launcher has run this run, summed over its launches (resumes)."""
+        return self.root / "wall_s"
+
+    def read_address(self, name: str) -> str | None:
+        """The base URL `name` last wrote, if it has written one."""
+        try:
+            info = json.loads(self.address_file(name).read_text())
+        except FileNotFoundError:
+            return None
+        return f"http://{info['host']}:{info['port']}"
+
+    @property
+    def queue_store(self) -> Path:
+        return self.root / "queue.sqlite"
+
+    @property
+    def queue_marks(self) -> Path:
+        return self.root / "queue.marks.json"
+
+    # --- weights ---------------------------------------------------------------------------
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    def weights_for(self, version: int) -> Path:
+        """Where policy `version` is published (HF layout)."""
+        return self.weights / f"{STEP_PREFIX}{version}"
+
+    def published_versions(self) -> list[int]:
+        """The versions with complete published weights, ascending."""
+        return step_versions(self.weights)
+
+    def newest_version(self) -> int:
+        """The highest complete published version, or -1. Polled while inference waits for
+        weights: it checks the highest numbers first, not every kept version."""
+        if not self.weights.is_dir():
+            return -1
+        steps = (n for n in os.listdir(self.weights) if n.startswith(STEP_PREFIX))
+        numbers = (n.removeprefix(STEP_PREFIX) for n in steps)
+        for version in sorted((int(n) for n in numbers if n.isdigit()), reverse=True):
+            if is_complete(self.weights_for(version)):
+                return version
+        return -1
+
+    def prune_versions(self, keep: int) -> None:
+        """Delete all but the newest `keep` published versions; version 0 (the weights RL
+        starts from) stays."""
+        found = [v for v in self.published_versions() if v > 0]
+        for version in found[: max(len(found) - keep, 0)]:
+            shutil.rmtree(self.weights_for(version), ignore_errors=True)
+
+    def record_broadcast(self, version: int) -> None:
+        """Record that every inference server holds `version` (broadcast transport)."""
+        write_atomic(self.weights / BROADCAST, str(version))
+
+    def broadcast_version(self) -> int:
+        """The newest version the trainer broadcast and every server confirmed, or -1."""
+        try:
+            return int((self.weights / BROADCAST).read_text())
+        except FileNotFoundError:
+            return -1
+
+    # --- checkpoints and control -----------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint_for(self, step: int) -> Path:
+        return self.checkpoints / f"{STEP_PREFIX}{step}"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint, if any."""
+        steps = step_versions(self.checkpoints)
+        return self.checkpoint_for(steps[-1]) if steps else None
+
+    def resume_point(self) -> str:
+        """Where a resume of this run starts, in words: the step after the newest checkpoint."""
+        steps = step_versions(self.checkpoints)
+        if not steps:
+            return "step 1: no checkpoint yet, so the warm-up runs again"
+        return f"step {steps[-1] + 1}, after checkpoint step_{steps[-1]}"
+
+    @property
+    def reference(self) -> Path:
+        """The KL reference's weights (the policy RL started from)."""
+        return self.checkpoints / "reference.pt"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def checkpoint_request(self) -> Path:
+        """Created by a job supervisor: checkpoint at the current step and stop."""
+        return self.control / "checkpoint-request"
+
+    @property
+    def checkpointed(self) -> Path:
+        """The trainer's answer to a checkpoint request: the step it checkpointed."""
+        return self.control / "checkpointed"
+
+    # --- Slurm runs ------------------------------------------------------------------------
+
+    @property
+    def jobs(self) -> Path:
+        """The run's Slurm job ids by role group, and the partition."""
+        return self.root / "jobs.json"
+
+    @property
+    def failure(self) -> Path:
+        """Why the run ended early (written once: the first job to notice wins)."""
+        return self.root / "failure.json"
+
+    @property
+    def complete(self) -> Path:
+        """Created by the control job once trainer and orchestrator are done."""
+        return self.root / "complete"
+
+    def done(self, role: str) -> Path:
+        return self.root / "done" / role
+
+    def mark_done(self, role: str) -> None:
+        """Record that `role` finished its part of the run."""
+        self.done(role).parent.mkdir(exist_ok=True)
+        self.done(role).touch()
+
+    @property
+    def ended(self) -> Path:
+        """jobs.json and failure.json of earlier submissions of a resumed run."""
+        return self.root / "ended"
+
+    def end_submission(self) -> int:
+        """Move jobs.json and failure.json (if any) into ended/ as jobs-N.json and
+        failure-N.json, N counting the submissions ended before; returns N."""
+        self.ended.mkdir(exist_ok=True)
+        attempt = len(list(self.ended.glob("jobs-*.json")))
+        for path in (self.jobs, self.failure):
+            if path.exists():
+                path.rename(self.ended / f"{path.stem}-{attempt}{path.suffix}")
+        return attempt
+
+    def submitit_folder(self, job: str) -> Path:
+        return self.root / "slurm" / job

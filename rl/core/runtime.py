@@ -1,0 +1,219 @@
+"""What every role process shares: its arguments, logging, the run's config and token, and
+finding the other roles' servers.
+
+Roles find each other through the run directory (a shared filesystem on a cluster; its layout
+is rl/core/rundir.py's): a server records its address once it listens, and clients wait for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from omegaconf import OmegaConf
+
+from rl.core.config import RunConfig
+from rl.core.rundir import RunDir, write_atomic
+
+TOKEN_ENV = "RELAY_TOKEN"
+# How long a role waits for a peer's server to appear, or to come back after a restart.
+PEER_TIMEOUT_S = 900.0
+HOST_ENV = "RELAY_HOST"
+# The name the launcher gave this role process (queue, inference-0, trainer-node1, ...).
+NAME_ENV = "RELAY_NAME"
+# Set by the Slurm job supervisor: SIGTERM (`scontrol requeue`, node loss, scancel) reaches the
+# trainer's ranks directly, and they checkpoint the step they are on before they stop.
+CHECKPOINT_ON_TERM_ENV = "RELAY_CHECKPOINT_ON_TERM"
+# The base URL this process serves, once it has written its address: its heartbeat asks it.
+_serving: dict[str, str] = {}
+
+
+def server_host() -> str:
+    """The address a role's server binds and advertises: the node's address on a cluster
+    (set by the job supervisor), loopback on this machine."""
+    return os.environ.get(HOST_ENV, "127.0.0.1")
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask Linux to send `sig` to this process when the thread that started it exits."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, sig)
+
+
+def role_args(role: str, extra: bool = False) -> argparse.Namespace:
+    """Parse the common `--run-dir` argument of a role entry point."""
+    parser = argparse.ArgumentParser(prog=f"python -m rl.{role}")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--replica", type=int, default=0)
+    if role == "inference":  # a replica's prefill or decode instance; its node of several
+        parser.add_argument("--instance", choices=("prefill", "decode"), default=None)
+        parser.add_argument("--nodes", type=int, default=1)
+        parser.add_argument("--node", type=int, default=0)
+    if extra:
+        args, rest = parser.parse_known_args()
+        args.rest = [a for a in rest if a != "--"]
+        return args
+    return parser.parse_args()
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The resolved config the launcher wrote, validated against the schema and turned into
+    the typed `RunConfig` (each role does this once, at start)."""
+    loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), RunDir(run_dir).load_config())
+    return OmegaConf.to_object(loaded)  # type: ignore[return-value]
+
+
+def setup_logging(role: str) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s.%(msecs)03d {role} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return logging.getLogger(role)
+
+
+def inference_names(cfg: RunConfig) -> list[str]:
+    """The names the inference servers write their addresses under."""
+    return [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
+
+
+def run_token(run_dir: Path) -> str:
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    return RunDir(run_dir).token()
+
+
+def auth_headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def write_address(run_dir: Path, name: str, host: str, port: int) -> None:
+    """Record where `name` listens; written atomically so readers never see half a file. From
+    now on this process's heartbeat beats only while its /health answers."""
+    RunDir(run_dir).write_address(name, host, port)
+    _serving["url"] = f"http://{host}:{port}"
+
+
+def read_address(run_dir: Path, name: str) -> str | None:
+    """The base URL `name` last wrote, if it has written one."""
+    return RunDir(run_dir).read_address(name)
+
+
+def wait_for_address(run_dir: Path, name: str, timeout: float = PEER_TIMEOUT_S) -> str:
+    """The base URL of `name`, once it has written its address; a clear error after timeout."""
+    deadline = time.monotonic() + timeout
+    while (url := read_address(run_dir, name)) is None:
+        if time.monotonic() > deadline:
+            path = RunDir(run_dir).address_file(name)
+            raise TimeoutError(f"{name} did not write {path} within {timeout:.0f} s")
+        time.sleep(0.1)
+    return url
+
+
+class Peer:
+    """A role's server, found through the run directory, and found again after it restarts:
+    a request that cannot reach it waits for the server to answer again (at its old or a new
+    address), up to `timeout` seconds, then fails naming it."""
+
+    def __init__(self, run_dir: Path, name: str, timeout: float = PEER_TIMEOUT_S) -> None:
+        self.run_dir, self.name, self.timeout = run_dir, name, timeout
+        self.url = wait_for_address(run_dir, name, timeout)
+        self.log = logging.getLogger("peer")
+
+    def request(self, http: httpx.Client, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        deadline = None
+        while True:
+            try:
+                return http.request(method, f"{self.url}{route}", **kwargs)
+            except httpx.TransportError as err:
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout
+                    self.log.warning("%s unreachable (%r); waiting for it", self.name, err)
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"{self.name} unreachable for {self.timeout:.0f} s: {err!r}"
+                    ) from err
+                time.sleep(0.5)
+                self.url = read_address(self.run_dir, self.name) or self.url
+
+
+class Heartbeat(threading.Thread):
+    """Beats a counter into `heartbeats/<name>.<pid>` every `interval` seconds, from a thread
+    of its own, so that the launcher can tell a live role from a hung one: a stopped or frozen
+    process stops beating, however long its main thread legitimately waits. A server beats only
+    while its own /health answers (ok, or starting): a blocked event loop or a failed engine
+    stops the beat too. The launcher (launcher/processes.py) kills and restarts a role whose
+    beat stops for `timeouts.hung_s`."""
+
+    def __init__(self, path: Path, interval: float, probe_timeout: float) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.path, self.interval, self.probe_timeout = path, interval, probe_timeout
+
+    def run(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.path.unlink, missing_ok=True)
+        beats = 0
+        while True:
+            if self.healthy():
+                beats += 1
+                write_atomic(self.path, str(beats))
+            time.sleep(self.interval)
+
+    def healthy(self) -> bool:
+        url = _serving.get("url")
+        if url is None:  # not serving (yet): being alive is all there is to tell
+            return True
+        try:
+            response = httpx.get(f"{url}/health", timeout=self.probe_timeout)
+        except httpx.HTTPError:
+            return False
+        if response.status_code == 200:
+            return True
+        try:
+            return response.json().get("status") == "starting"
+        except ValueError:
+            return False
+
+
+def start_heartbeat(run_dir: Path, hung_s: float) -> Heartbeat | None:
+    """Start this process's heartbeat when a launcher started it (`RELAY_NAME` set); a role
+    started alone (tests, by hand) has nobody watching and beats nothing."""
+    name = os.environ.get(NAME_ENV)
+    if not name:
+        return None
+    path = RunDir(run_dir).heartbeat(name, os.getpid())
+    beat = Heartbeat(path, interval=min(1.0, hung_s / 10), probe_timeout=max(1.0, hung_s / 4))
+    beat.start()
+    return beat
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for a role's HTTP server (port 0 picks a free one).
+
+    TCP_NODELAY is set on the listening socket so accepted connections inherit it: without it,
+    a response written in two parts waits on the client's delayed ACK (~40 ms per request on a
+    keep-alive connection, measured on loopback here).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    return sock

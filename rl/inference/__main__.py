@@ -1,0 +1,41 @@
+"""`python -m rl.inference --run-dir D --replica I [-- vLLM args]`: one inference server of run D.
+
+The backend is the run's (rl/core/derive.py): the embedded engine (rl/inference/server.py), or
+vLLM behind Relay's routes (rl/inference/vllm.py), whose arguments the plan passes after `--`.
+A replica spanning nodes runs this on each of its nodes: the head (`--node 0`) serves, the
+others (`--node K --nodes N`) join it headless; a prefill/decode replica runs one per instance
+(`--instance prefill|decode`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rl.core.config import Backend
+from rl.core.derive import inference_backend
+from rl.core.runtime import load_run_config, role_args, setup_logging, start_heartbeat
+
+
+def main() -> None:
+    args = role_args("inference", extra=True)
+    cfg = load_run_config(args.run_dir)
+    name = f"inference-{args.replica}" + (f"-{args.instance}" if args.instance else "")
+    logger = setup_logging(name if not args.node else f"{name}-node{args.node}")
+    start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
+    if inference_backend(cfg) == Backend.embedded:
+        from rl.inference.server import serve
+
+        serve(cfg, args.run_dir, name, logger)
+        return
+    from rl.inference.vllm import serve, serve_headless
+
+    if not args.rest:
+        sys.exit("inference.backend=vllm: no vLLM arguments after '--' (start it from a plan)")
+    if args.node:
+        serve_headless(cfg, args.run_dir, name, args.node, args.nodes, args.rest, logger)
+    else:
+        serve(cfg, args.run_dir, name, args.rest, logger, args.nodes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The inference servers' client: OpenAI completions plus Relay's admin routes, over one or
+more servers, as the orchestrator, the agents' proxy and the weight transport call them.
+
+Responses are read here, once: each choice becomes a `Completion` (rl/core/records.py) with its
+exact token ids, logprobs and the policy versions behind it. The vLLM front reads vLLM's
+answers with the same reader (`sampled`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rl.core.config import TimeoutsConfig
+from rl.core.records import Completion
+from rl.core.rundir import RunDir
+from rl.core.runtime import Peer, auth_headers, read_address
+
+CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them into one batch
+
+
+def sampled(choice: dict[str, Any]) -> tuple[list[int], list[float], list[dict[str, float]]]:
+    """A completions choice's token ids, their logprobs and, per token, the alternatives asked
+    for (`top_logprobs`), as Relay's servers and vLLM write them (empty where absent)."""
+    logprobs = choice.get("logprobs") or {}
+    return (
+        list(choice.get("token_ids") or []),
+        list(logprobs.get("token_logprobs") or []),
+        list(logprobs.get("top_logprobs") or []),
+    )
+
+
+def completions(response: dict[str, Any]) -> list[Completion]:
+    """A completions response's choices, in order. A request in flight during a weight swap
+    spans two versions (vLLM): `policy_version` and `policy_version_max`."""
+    low = response["policy_version"]
+    high = response.get("policy_version_max", low)
+    found = []
+    for choice in response["choices"]:
+        ids, logprobs, _ = sampled(choice)
+        found.append(
+            Completion(
+                list(choice["prompt_token_ids"]),
+                ids,
+                logprobs,
+                choice["text"],
+                choice.get("finish_reason") or "stop",
+                low,
+                high,
+            )  # fmt: skip
+        )
+    return found
+
+
+class InferenceClient:
+    """OpenAI-compatible completions plus Relay's admin routes, for one or more servers.
+
+    A server that stops answering is looked up again in the run directory; its requests go to
+    the other servers meanwhile (or wait for it, when it is the only one), and once it answers
+    again it is given the newest published weights before it serves rollouts.
+
+    A point of a sweep that shares inference finds the servers in the sweep's service
+    directory (`service`) and is served there as `adapter`: its requests name it, its weights
+    are loaded under it, and a server's version is read for it.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        names: list[str],
+        token: str,
+        model: str,
+        timeouts: TimeoutsConfig | None = None,
+        adapter: str = "",
+        service: Path | None = None,
+    ) -> None:
+        self.run_dir, self.adapter = run_dir, adapter
+        self.model = adapter or model
+        self.addresses = service or run_dir
+        timeouts = timeouts or TimeoutsConfig()
+        self.peer_s = timeouts.peer_s
+        self.servers = [Peer(self.addresses, name, self.peer_s) for name in names]
+        self.http = httpx.Client(headers=auth_headers(token), timeout=timeouts.request_s)
+        self.version = -1  # what every server should hold
+        self.stale = [False] * len(names)  # missed a weight load while down
+        self.locks = [threading.Lock() for _ in names]
+        self.log = logging.getLogger("orchestrator")
+        self.asleep = False  # colocated on GPU: put to sleep while the trainer runs
+
+    def sleep(self) -> None:
+        """Free the servers' GPU memory for the trainer (weights offloaded, caches dropped);
+        the next `load_weights` wakes them first."""
+        for i in range(len(self.servers)):
+            self.call(i, "/admin/sleep", {})
+        self.asleep = True
+
+    def wake(self) -> None:
+        for i in range(len(self.servers)):
+            self.call(i, "/admin/wake_up", {})
+        self.asleep = False
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    def _post(self, i: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self.http.post(f"{self.servers[i].url}{route}", json=body)
+        if response.is_error:  # the server's own words say what it refused, and why
+            raise httpx.HTTPStatusError(
+                f"{self.servers[i].name} answered {response.status_code} to {route}: "
+                f"{response.text[:500]}",
+                request=response.request,
+                response=response,
+            )
+        return response.json()
+
+    def _revive(self, i: int) -> bool:
+        """Whether server i answers with the current weights (after reloading them)."""
+        server = self.servers[i]
+        with self.locks[i]:
+            server.url = read_address(self.addresses, server.name) or server.url
+            try:
+                held = self.http.get(
+                    f"{server.url}/admin/version", params={"model": self.adapter}, timeout=5.0
+                )
+                held.raise_for_status()
+                if held.json()["policy_version"] < self.version or self.stale[i]:
+                    newest = RunDir(self.run_dir).newest_version()
+                    path = RunDir(self.run_dir).weights_for(newest)
+                    self._post(i, "/admin/load_weights", self._load_body(path, newest))
+                    self.log.info("%s is back: loaded version %d into it", server.name, newest)
+                self.stale[i] = False
+                return True
+            except httpx.TransportError:
+                return False
+
+    def call(self, i: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to server i, or to another one while i is down; waits (bounded) when none
+        answers."""
+        order = [i, *(j for j in range(len(self.servers)) if j != i)]
+        deadline = time.monotonic() + self.peer_s
+        while True:
+            for j in order:
+                try:
+                    return self._post(j, route, body)
+                except httpx.TransportError as err:
+                    self.log.warning("%s unreachable (%r)", self.servers[j].name, err)
+                    if self._revive(j):
+                        try:
+                            return self._post(j, route, body)
+                        except httpx.TransportError:
+                            pass
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"orchestrator: no inference server answered for {self.peer_s:.0f} s "
+                    "(timeouts.peer_s)"
+                )
+            time.sleep(1.0)
+
+    def complete(
+        self,
+        i: int,
+        prompts: list[Any],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        stop: list[str] | None = None,
+    ) -> list[Completion]:
+        """`n` completions per prompt (texts or token-id lists), prompt-major, from server i
+        (or another while it is down)."""
+        body = {
+            "model": self.model,
+            "prompt": prompts,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": 1,
+        }
+        if stop:
+            body["stop"] = stop
+        return completions(self.call(i, "/v1/completions", body))
+
+    def complete_all(
+        self, prompts: list[Any], n: int, max_tokens: int, temperature: float
+    ) -> list[Completion]:
+        """Completions for every prompt (texts or token-id lists; prompt-major), spread as
+        concurrent requests over the servers."""
+        chunks = max(1, len(self.servers) * CHUNKS_PER_REPLICA)
+        size = max(1, -(-len(prompts) // chunks))
+        parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        with ThreadPoolExecutor(len(parts)) as pool:
+            futures = [
+                pool.submit(self.complete, i % len(self.servers), part, n, max_tokens, temperature)
+                for i, part in enumerate(parts)
+            ]
+            return [c for f in futures for c in f.result()]
+
+    def load_weights(self, path: Path, version: int) -> None:
+        """Load `path` into every server that answers (waking them, if asleep); one that is
+        down gets the newest weights when it is back."""
+        if self.asleep:
+            self.wake()
+        self.version = version
+        for i, server in enumerate(self.servers):
+            with self.locks[i]:
+                try:
+                    self._post(i, "/admin/load_weights", self._load_body(path, version))
+                except httpx.TransportError as err:
+                    self.log.warning("%s missed version %d (%r)", server.name, version, err)
+                    self.stale[i] = True
+        if all(self.stale) and not any(self._revive(i) for i in range(len(self.servers))):
+            # No server took the weights: wait for one, so that batches keep their version.
+            self.call(0, "/admin/load_weights", self._load_body(path, version))
+            self.stale[0] = False
+
+    def _load_body(self, path: Path, version: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"path": str(path), "version": version}
+        if self.adapter:
+            body["adapter"] = self.adapter
+        return body

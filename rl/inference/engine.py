@@ -1,0 +1,351 @@
+"""The embedded engine: one thread owns a transformers model and serves every request to it.
+
+It serves CPU runs and small single-GPU runs without vLLM, and is the reference the vLLM backend
+is held to. The engine thread merges concurrent requests into one left-padded batch, decodes it
+with a KV cache (rl/inference/generation.py), and applies weight swaps only between batches (from
+`weights/step_N`, or received from the trainer's broadcast: rl/weights/), so every response can
+name the single policy version that produced it. The HTTP server in front of it is
+rl/inference/server.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl.core.config import RunConfig
+from rl.core.lora import enabled as lora_enabled
+from rl.core.lora import is_adapter_dir, is_adapter_name, scale, targets
+from rl.inference.adapters import Adapter, Adapters
+from rl.inference.generation import NO_LIMITS, Limits, StepSink, generate
+from rl.inference.openai_api import Deltas
+from rl.weights.lora import read_adapter
+from rl.weights.published import RefusedWeights, check_finite, read_checkpoint
+from rl.weights.sync import WeightReceiver
+
+
+def load_state_dict_in_place(model: Any, path: Path) -> None:
+    """Copy an HF checkpoint's safetensors into `model`; read and checked whole first (readable,
+    finite, matching the model), so a refused checkpoint leaves no half-loaded model."""
+    state = read_checkpoint(path)
+    if not state.keys() <= model.state_dict().keys():
+        # Saved in the published layout, which transformers converts on load (MoE experts are
+        # stored one tensor per expert and held stacked): read it through that conversion.
+        from transformers import AutoModelForCausalLM
+
+        converted = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype)
+        state = converted.state_dict()
+    load_state_in_place(model, state, f"checkpoint {path}")
+
+
+def load_state_in_place(model: Any, state: dict[str, Any], source: str) -> None:
+    """Copy `state` (HF names) into `model` once it is checked to match the served model."""
+    current = model.state_dict()
+    loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
+    # Tied weights (lm_head = embedding) are saved once; a key sharing storage is not missing.
+    missing = [k for k in current if k not in state and current[k].data_ptr() not in loaded_ptrs]
+    unexpected = [k for k in state if k not in current]
+    wrong = [k for k in state if k in current and state[k].shape != current[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{source} does not match the served model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+@dataclass
+class CompletionJob:
+    """One HTTP completions request, tokenized and validated, waiting for the engine.
+    `sink`, when set, sees each decoding step's tokens for this job's rows (streaming)."""
+
+    prompts_ids: list[list[int]]
+    n: int
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    limits: Limits = NO_LIMITS
+    sink: Callable[[Deltas], None] | None = None
+    adapter: str = ""
+    """The LoRA adapter's name ("": the run's own policy)."""
+    future: Future = field(default_factory=Future)
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts_ids) * self.n
+
+
+@dataclass
+class LoadJob:
+    """A weight swap, queued behind the requests that arrived before it: from a checkpoint
+    directory, or (`receiver` set) from the trainer's broadcast."""
+
+    path: Path | None
+    version: int
+    receiver: WeightReceiver | None = None
+    adapter: str = ""
+    """In a LoRA run, the name to serve an adapter under ("": the run's own policy)."""
+    future: Future = field(default_factory=Future)
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running, so a queued request will never be served."""
+
+
+@dataclass
+class MemoryJob:
+    """Sleep (give the GPU's memory back: weights to host memory, caches freed) or wake up
+    (weights back on the device), queued behind the requests before it. On CPU there is
+    nothing to give back and it only records the state."""
+
+    asleep: bool
+    future: Future = field(default_factory=Future)
+
+
+def _fail(jobs: Sequence[CompletionJob | LoadJob | MemoryJob], exc: BaseException) -> None:
+    """Fail the futures of `jobs` not already answered (or cancelled by a departed client)."""
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+
+class Engine:
+    """Owns the model on one thread, so batches and weight swaps can never overlap.
+
+    An error in one batch or load fails only that work's futures. Should the thread die anyway,
+    `failure` says why, and every queued and later request fails with `EngineStopped`.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: RunConfig, logger: logging.Logger):
+        import torch
+
+        self.model, self.tokenizer, self.logger = model, tokenizer, logger
+        self.model_name, self.max_batch_size = cfg.model.name, cfg.inference.max_batch_size
+        # Ids the model can embed (it may sample ones the tokenizer does not name, and a
+        # multi-turn episode sends them back as its next prompt).
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.version = -1  # base weights; the orchestrator loads version 0 before rollouts
+        # Seeded from the OS: replicas must not draw identical samples for unseeded requests.
+        self.device = model.device
+        self.asleep = False
+        self.generator = torch.Generator(device=model.device)
+        self.generator.seed()
+        # LoRA runs: versions after 0 are adapters, applied on the base without merging.
+        self.adapters = Adapters(model, targets(cfg.model)) if lora_enabled(cfg.model) else None
+        self.lora_scale = scale(cfg.model) if self.adapters else 1.0
+        self.shared = cfg.inference.shared  # a sweep's shared inference: one base, N points
+        self._pending: deque[CompletionJob | LoadJob | MemoryJob] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._died = ""  # why the thread ended early; "" while it runs or after stop()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    def failure(self) -> str:
+        """Why the engine cannot serve ("" while its thread runs)."""
+        if self._thread.is_alive():
+            return ""
+        return self._died or "the engine thread is not running"
+
+    def submit(self, job: CompletionJob | LoadJob | MemoryJob) -> Future:
+        with self._cond:
+            if self._died:
+                _fail([job], EngineStopped(self._died))
+                return job.future
+            self._pending.append(job)
+            self._cond.notify()
+        return job.future
+
+    def _next_work(self) -> list[CompletionJob] | LoadJob | None:
+        """A weight load alone, or the queued requests up to max_batch_size rows (FIFO)."""
+        with self._cond:
+            while not self._pending and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            if isinstance(self._pending[0], LoadJob | MemoryJob):
+                return self._pending.popleft()  # type: ignore[return-value]
+            batch: list[CompletionJob] = []
+            rows = 0
+            while self._pending and isinstance(head := self._pending[0], CompletionJob):
+                if batch and rows + head.rows > self.max_batch_size:
+                    break
+                self._pending.popleft()
+                if head.future.set_running_or_notify_cancel():  # False: client went away
+                    batch.append(head)
+                    rows += head.rows
+            return batch
+
+    def _loop(self) -> None:
+        jobs: list[CompletionJob | LoadJob] = []
+        try:
+            while (work := self._next_work()) is not None:
+                jobs = [work] if isinstance(work, LoadJob | MemoryJob) else list(work)
+                self._serve(work)
+        except BaseException as exc:  # reported by failure() and /health, not raised again
+            self.logger.exception("the engine thread died")
+            with self._cond:
+                self._died = f"the engine thread died: {exc!r}"
+                stranded, self._pending = list(self._pending), deque()
+            _fail(jobs + stranded, EngineStopped(self._died))
+
+    def _serve(self, work: list[CompletionJob] | LoadJob) -> None:
+        """Run one load or batch; an error fails that work's futures and no others."""
+        try:
+            if isinstance(work, MemoryJob):
+                self._set_memory(work)
+            elif isinstance(work, LoadJob):
+                self._load(work)
+            elif work:
+                self._run_batch(work)
+        except Exception as exc:
+            single = isinstance(work, LoadJob | MemoryJob)
+            self.logger.exception("%s failed", type(work).__name__ if single else "batch")
+            _fail([work] if single else work, exc)  # type: ignore[list-item]
+
+    def _set_memory(self, job: MemoryJob) -> None:
+        import torch
+
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if self.device.type == "cuda":
+            self.model.to("cpu" if job.asleep else self.device)
+            torch.cuda.empty_cache()
+        self.asleep = job.asleep
+        held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        job.future.set_result({"asleep": self.asleep, "device_bytes": held})
+
+    def held(self, name: str = "") -> int:
+        """The version served under `name` ("": the run's own policy)."""
+        if name and name != self.model_name:
+            adapter = self.adapters.loaded.get(name) if self.adapters else None
+            return adapter.version if adapter else -1
+        return self.version
+
+    def _load(self, job: LoadJob) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        start = time.perf_counter()
+        source = job.path or "the trainer's broadcast"
+        name = job.adapter or self.model_name
+        held = self.held(name)
+        try:
+            if job.receiver is not None:
+                self._receive(job.receiver, job.version)
+            elif job.version < held:  # decided here, where loads run one at a time
+                self.logger.info("kept version %d: asked for older %d", held, job.version)
+                job.future.set_result({"policy_version": held, "load_s": 0.0})
+                return
+            else:
+                self._load_dir(job.path, job.version, name)
+        except Exception as exc:  # reported to the caller; the old weights stay in place
+            self.logger.warning("refused version %d from %s: %s", job.version, source, exc)
+            job.future.set_exception(exc)
+            return
+        if name == self.model_name:
+            self.version = job.version
+        seconds = time.perf_counter() - start
+        named = "" if name == self.model_name else f" as {name}"
+        self.logger.info(
+            "loaded version %d from %s%s in %.2f s", job.version, source, named, seconds
+        )
+        job.future.set_result({"policy_version": job.version, "load_s": seconds})
+
+    def _load_dir(self, path: Path, version: int, name: str) -> None:
+        """Full weights (the base: no adapter under `name` after it) or, in a LoRA run, an
+        adapter served as `name`."""
+        if not is_adapter_dir(path):
+            if self.shared and version == 0 and name != self.model_name:
+                # A sweep point's version 0 is the base this service holds (the sweep starts
+                # every point from it): the point is served, its adapter to come.
+                self.adapters.put(name, Adapter({}, 1.0, version))
+                return
+            if name != self.model_name:
+                raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
+            load_state_dict_in_place(self.model, path)
+            if self.adapters:
+                self.adapters.put(name, None)
+            return
+        if self.adapters is None:
+            raise RefusedWeights(f"{path} is a LoRA adapter; this server serves no LoRA run")
+        tensors, scale = read_adapter(path)
+        adapter = self.adapters.parse(tensors, scale, version, f"adapter {path}")
+        self.adapters.put(name, adapter)
+
+    def _receive(self, receiver: WeightReceiver, version: int) -> None:
+        """Take a whole update, then check and copy it (the old weights stay if it fails)."""
+        state: dict[str, Any] = {}
+        header = receiver.receive(state.update)
+        if header["version"] != version:
+            raise ValueError(f"broadcast carried version {header['version']}, not {version}")
+        source = f"broadcast of version {version}"
+        for name, tensor in state.items():
+            check_finite(name, tensor, source)
+        if self.adapters and any(is_adapter_name(key) for key in state):
+            adapter = self.adapters.parse(state, self.lora_scale, version, source)
+            self.adapters.put(self.model_name, adapter)
+            return
+        load_state_in_place(self.model, state, source)
+        if self.adapters:
+            self.adapters.put(self.model_name, None)
+
+    def _run_batch(self, jobs: list[CompletionJob]) -> None:
+        import torch
+
+        prompts, caps, temps, gens, limits, names = [], [], [], [], [], []
+        for job in jobs:
+            gen = self.generator
+            if job.seed is not None:
+                gen = torch.Generator(device=self.model.device).manual_seed(job.seed)
+            for prompt in job.prompts_ids:
+                prompts += [prompt] * job.n
+                caps += [job.max_tokens] * job.n
+                temps += [job.temperature] * job.n
+                gens += [gen] * job.n
+                limits += [job.limits] * job.n
+                names += [job.adapter or self.model_name] * job.n
+        start = time.perf_counter()
+        on_step = _stream_to(jobs) if any(job.sink for job in jobs) else None
+        route = self.adapters.route if self.adapters else None
+        samples = generate(
+            self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step, names, route
+        )
+        tokens = sum(len(s.token_ids) for s in samples)
+        seconds = time.perf_counter() - start
+        self.logger.debug("batch of %d rows: %d tokens in %.2f s", len(prompts), tokens, seconds)
+        offset = 0
+        for job in jobs:
+            job.future.set_result((self.held(job.adapter), samples[offset : offset + job.rows]))
+            offset += job.rows
+
+
+def _stream_to(jobs: list[CompletionJob]) -> StepSink:
+    """A step sink handing each streaming job its own rows' new tokens (job-local indices)."""
+    spans, at = [], 0
+    for job in jobs:
+        spans.append((job, at, at + job.rows))
+        at += job.rows
+
+    def on_step(tokens: list[int], _: list[float], alive: list[bool]) -> None:
+        for job, begin, end in spans:
+            if job.sink is not None:
+                new = [(k - begin, [tokens[k]]) for k in range(begin, end) if alive[k]]
+                if new:
+                    job.sink(new)
+
+    return on_step

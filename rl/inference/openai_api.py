@@ -1,0 +1,621 @@
+"""OpenAI's completions and chat completions API, over either inference backend.
+
+Both servers (the embedded engine, rl/inference/server.py, and the front of vLLM,
+rl/inference/vllm.py) register these routes with a `Backend`: something that turns token-id prompts
+and sampling settings into sampled tokens, whole or streamed. Everything else is here, once: request
+checking, chat templates and tool calls (rl/core/chat.py), stop strings, logprobs, usage, errors and
+server-sent events, so the official `openai` client sees the same API from both.
+
+- `/v1/models` lists the served model. A request naming any other model gets a 400.
+- Supported: `n`, `max_tokens` (`max_completion_tokens` in chat), `temperature`, `top_p`,
+  `seed`, `stop`, `logprobs`/`top_logprobs`, `stream` (with `stream_options.include_usage`),
+  and in chat `tools` with `tool_choice` "auto" or "none".
+- Anything else is refused with a 400 in OpenAI's error shape (`{"error": {"message", "type",
+  "param", "code"}}`; Relay's own clients read the same text as `detail`): an unknown field,
+  and a known one this server cannot honour (`frequency_penalty`, `logit_bias`, `echo`, ...)
+  unless it is sent at its no-op default.
+- Relay's extensions ride on every choice: `prompt_token_ids` and `token_ids` (the exact
+  tokens; the trainer's inputs), and on the response `policy_version` (and
+  `policy_version_max`: a request in flight during a weight swap on vLLM spans two).
+- Logprobs are the policy's: the temperature-scaled distribution before top_p narrows it.
+- Text prompts are encoded as `encode_prompt` does (BOS, then the text); token-id prompts are
+  used as they are (multi-turn rollouts send their own).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from rl.core.chat import CALL_OPEN, ChatTemplate, parse_turn
+from rl.core.model import encode_prompt
+from rl.inference.generation import Limits, Sample
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Params:
+    """What a backend samples with: `n` choices per prompt, up to `max_tokens` each."""
+
+    n: int
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    limits: Limits
+    model: str = ""
+    """The served name asked for ("": the server's model); a LoRA server's adapters each have
+    one."""
+    kv_transfer: dict[str, Any] | None = None
+    """vLLM's `kv_transfer_params`: a prefill/decode replica's KV hand-over
+    (rl/inference/router.py)."""
+
+
+@dataclass
+class Result:
+    """Sampled choices, prompt-major (index = prompt * n + sample), and the policy versions
+    that produced them."""
+
+    version: int
+    version_max: int
+    samples: list[Sample]
+    kv_transfer: dict[str, Any] | None = None
+    """What a prefill instance answers for its decode instance (vLLM's `kv_transfer_params`)."""
+
+
+Deltas = list[tuple[int, list[int]]]
+"""Streamed progress: (choice index, its new token ids)."""
+
+
+class Backend(Protocol):
+    model_name: str
+    tokenizer: Any
+    max_len: int
+    max_rows: int | None
+    """Most prompts x n per request (None: no limit of its own)."""
+    vocab_size: int
+
+    def served(self) -> list[str]:
+        """The names requests may ask for: the model's, then any adapter's."""
+        ...
+
+    async def generate(self, prompts: list[list[int]], params: Params) -> Result: ...
+
+    def stream(self, prompts: list[list[int]], params: Params) -> AsyncIterator[Deltas | Result]:
+        """Deltas as tokens are drawn, then the whole Result last."""
+        ...
+
+
+class APIError(HTTPException):
+    """An error answered in OpenAI's shape; `param` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
+        super().__init__(status, message)
+        self.param, self.code = param, code or None
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    error = {"message": message, "type": kind, "param": param, "code": code}
+    return JSONResponse({"error": error, "detail": message}, status_code=status)
+
+
+def install_errors(app: FastAPI) -> None:
+    """Every error of `app` in OpenAI's shape; a malformed body is a 400 naming the field."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Any, exc: HTTPException) -> JSONResponse:
+        param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+        return error_body(exc.status_code, str(exc.detail), param, code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = [str(p) for p in first["loc"] if p != "body"]
+        reasons = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        message = "; ".join(reasons)
+        if first["type"] == "extra_forbidden":
+            message = f"{'.'.join(where)}: not supported by Relay's server; " + message
+        return error_body(400, message, ".".join(where) or None, first["type"])
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints share; any field not declared here is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    """Seeds the request's own generator; torch takes seeds below 2**63."""
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """An end-user id, as OpenAI takes it; it changes nothing."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = True
+    """Relay's extension (vLLM's name for it): token ids are always returned."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's extension, passed to it: the KV hand-over between a prefill/decode replica's
+    instances, which Relay's router sends (rl/inference/router.py)."""
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "logit_bias": None,
+    }
+    """Fields accepted only at their no-op value: the sampling they would change is not built."""
+
+    def refused(self) -> tuple[str, Any] | None:
+        """The first field set to something this server does not do, and its value."""
+        for name, default in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value not in (default, None) and value != {}:
+                return name, value
+        return None
+
+    def stops(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop: empty strings cannot be stop strings", "stop")
+        return tuple(stop)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """Text, texts, token ids, or a list of token-id lists (multi-turn rollouts send ids)."""
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        **_Request.UNSUPPORTED,
+        "echo": False,
+        "suffix": None,
+        "best_of": None,
+    }
+
+
+class ChatRequest(_Request):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_Request.UNSUPPORTED, "parallel_tool_calls": True}
+
+    def refused(self) -> tuple[str, Any] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", f"{self.top_logprobs} without logprobs=true"
+        if self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", self.tool_choice  # no constrained decoding here
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format", self.response_format
+        return super().refused()
+
+
+def served_model(body: _Request, backend: Backend) -> None:
+    if body.model not in (None, "", *(names := backend.served())):
+        raise APIError(
+            400,
+            f"model {body.model!r} is not served here; this server serves "
+            f"{', '.join(repr(n) for n in names)}",
+            "model",
+            "model_not_found",
+        )
+
+
+def check_supported(body: _Request) -> None:
+    if refused := body.refused():
+        name, value = refused
+        raise APIError(
+            400,
+            f"{name}={value!r} is not supported by Relay's server; leave it unset",
+            name,
+            "unsupported_parameter",
+        )
+
+
+def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
+    """The request's prompts as token-id lists; text is encoded as `encode_prompt` does."""
+    if isinstance(prompt, str):
+        return [encode_prompt(tokenizer, prompt)]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompt]
+
+
+def check_prompts(ids: list[list[int]], n: int, max_tokens: int, backend: Backend) -> None:
+    """Refuse (400) what cannot be served, before anything is queued."""
+    if not ids:
+        raise APIError(400, "prompt is an empty list; send a string or a non-empty list", "prompt")
+    if backend.max_rows is not None and len(ids) * n > backend.max_rows:
+        raise APIError(
+            400,
+            f"{len(ids)} prompts x n={n} exceeds inference.max_batch_size={backend.max_rows}",
+            "n",
+        )
+    for i, prompt in enumerate(ids):
+        if not prompt or len(prompt) + max_tokens > backend.max_len:
+            total = f"{len(prompt)} tokens + max_tokens={max_tokens}"
+            raise APIError(
+                400,
+                f"prompt {i}: {total} must be between 1 and the context length {backend.max_len}",
+                "max_tokens" if prompt else "prompt",
+            )
+        if (bad := next((t for t in prompt if not 0 <= t < backend.vocab_size), None)) is not None:
+            raise APIError(
+                400,
+                f"prompt {i}: token id {bad} is outside the vocabulary [0, {backend.vocab_size})",
+                "prompt",
+            )
+
+
+def final_text(tokenizer: Any, sample: Sample, stops: tuple[str, ...]) -> str:
+    """A choice's text: its tokens decoded (the closing end-of-sequence token left out), cut
+    before the first stop string."""
+    ids = sample.token_ids
+    if ids and ids[-1] == tokenizer.eos_token_id and sample.finish_reason == "stop":
+        ids = ids[:-1]
+    return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stops)
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    ends = [i for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(ends)] if ends else text
+
+
+def usage(ids: list[list[int]], samples: list[Sample]) -> dict[str, int]:
+    prompt = sum(len(p) for p in ids)
+    completion = sum(len(s.token_ids) for s in samples)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def completion_logprobs(tokenizer: Any, sample: Sample, text: str) -> dict[str, Any]:
+    tokens = [_token_text(tokenizer, t) for t in sample.token_ids]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(min(at, len(text)))
+        at += len(token)
+    top = None
+    if sample.top is not None:
+        top = [{_token_text(tokenizer, t): lp for t, lp in step} for step in sample.top]
+    return {
+        "tokens": tokens,
+        "token_logprobs": sample.logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Any, sample: Sample) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+        item = entry(token, logprob)
+        item["top_logprobs"] = [entry(t, lp) for t, lp in (sample.top or [[]] * (i + 1))[i]]
+        content.append(item)
+    return {"content": content}
+
+
+def _head(kind: str, model: str, version: int) -> dict[str, Any]:
+    return {
+        "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "policy_version": version,
+    }
+
+
+class Endpoint:
+    """One request's handling: its prompts as ids, its sampling settings, and how a sampled
+    choice becomes the response's choice."""
+
+    kind = "text_completion"
+    chunk_kind = "text_completion"
+    held_back: str | None = None
+    """Text from which a streamed choice is held back to the end (a tool call, in chat)."""
+
+    def __init__(self, backend: Backend, body: _Request) -> None:
+        self.backend, self.body = backend, body
+        self.tokenizer = backend.tokenizer
+        self.stop = body.stops()
+        self.model = body.model or backend.model_name
+
+    def params(self, max_tokens: int, top_logprobs: int) -> Params:
+        limits = Limits(self.body.top_p, self.stop, top_logprobs)
+        body = self.body
+        return Params(
+            body.n,
+            max_tokens,
+            body.temperature,
+            body.seed,
+            limits,
+            body.model or "",
+            body.kv_transfer_params,
+        )
+
+    def choice(self, index: int, prompt: list[int], sample: Sample) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, ids: list[list[int]], result: Result) -> dict[str, Any]:
+        n = self.body.n
+        choices = [self.choice(k, ids[k // n], s) for k, s in enumerate(result.samples)]
+        head = _head(self.kind, self.model, result.version)
+        head["policy_version_max"] = result.version_max
+        if result.kv_transfer is not None:
+            head["kv_transfer_params"] = result.kv_transfer
+        return {**head, "choices": choices, "usage": usage(ids, result.samples)}
+
+    async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:
+        """The streamed response as server-sent events, ending with `data: [DONE]`."""
+        streams = [TextStream(self.tokenizer, self.stop, self.held_back) for _ in ids * params.n]
+        head = _head(self.chunk_kind, self.model, -1)
+        async for item in self.backend.stream(ids, params):
+            if isinstance(item, Result):
+                head["policy_version"] = item.version
+                for k, sample in enumerate(item.samples):
+                    tail = streams[k].finish(sample)
+                    yield _sse(
+                        {**head, "choices": [self.last_chunk(k, ids[k // params.n], sample, tail)]}
+                    )
+                if self.body.stream_options and self.body.stream_options.include_usage:
+                    yield _sse({**head, "choices": [], "usage": usage(ids, item.samples)})
+                break
+            for k, new in item:
+                if delta := streams[k].feed(new):
+                    yield _sse({**head, "choices": [self.chunk(k, delta)]})
+        yield "data: [DONE]\n\n"
+
+    def chunk(self, index: int, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def last_chunk(self, index: int, prompt: list[int], sample: Sample, text: str) -> dict:
+        raise NotImplementedError
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class TextStream:
+    """A streamed choice's text, decoded as its tokens arrive. Text that may yet turn out to
+    start a stop string (or the `held_back` marker) is kept until it cannot."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], held_back: str | None) -> None:
+        self.tokenizer, self.stops, self.held_back = tokenizer, stops, held_back
+        self.ids: list[int] = []
+        self.sent = 0
+        self.margin = max([len(s) for s in (*stops, held_back or "")], default=1) - 1
+
+    def feed(self, new: list[int]) -> str:
+        self.ids += new
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = len(cut_at_stop(text, self.stops))
+        if self.held_back and (at := text.find(self.held_back)) >= 0:
+            cut = min(cut, at)
+        safe = min(cut, len(text) - self.margin)
+        while safe > self.sent and text[safe - 1] == "\ufffd":  # a character not yet whole
+            safe -= 1
+        delta, self.sent = text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+        return delta
+
+    def finish(self, sample: Sample) -> str:
+        """The rest of the final text (the held-back marker's part excluded)."""
+        text = final_text(self.tokenizer, sample, self.stops)
+        if self.held_back and (at := text.find(self.held_back)) >= 0:
+            text = text[:at]
+        return text[self.sent :]
+
+
+class Completions(Endpoint):
+    body: CompletionRequest
+
+    def choice(self, index: int, prompt: list[int], sample: Sample) -> dict[str, Any]:
+        text = final_text(self.tokenizer, sample, self.stop)
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = completion_logprobs(self.tokenizer, sample, text)
+        return {
+            "index": index,
+            "text": text,
+            "finish_reason": sample.finish_reason,
+            "logprobs": logprobs,
+            "prompt_token_ids": prompt,
+            "token_ids": sample.token_ids,
+        }
+
+    def chunk(self, index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+
+    def last_chunk(self, index: int, prompt: list[int], sample: Sample, text: str) -> dict:
+        whole = self.choice(index, prompt, sample)
+        return {**whole, "text": text}
+
+
+class ChatCompletions(Endpoint):
+    kind = "chat.completion"
+    chunk_kind = "chat.completion.chunk"
+    body: ChatRequest
+
+    def __init__(self, backend: Backend, body: ChatRequest) -> None:
+        super().__init__(backend, body)
+        self.tools = body.tools if body.tool_choice != "none" else None
+        self.held_back = CALL_OPEN if self.tools else None
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant message of a choice's text, and whether it calls tools."""
+        if not self.tools:
+            return {"role": "assistant", "content": text}, False
+        turn = parse_turn(text)
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if turn.tool_calls:
+            message["tool_calls"] = turn.tool_calls
+        return message, bool(turn.tool_calls)
+
+    def choice(self, index: int, prompt: list[int], sample: Sample) -> dict[str, Any]:
+        message, calls = self.message(final_text(self.tokenizer, sample, self.stop))
+        logprobs = chat_logprobs(self.tokenizer, sample) if self.body.logprobs else None
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": "tool_calls" if calls else sample.finish_reason,
+            "logprobs": logprobs,
+            "prompt_token_ids": prompt,
+            "token_ids": sample.token_ids,
+        }
+
+    def chunk(self, index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text}, "finish_reason": None}
+
+    def last_chunk(self, index: int, prompt: list[int], sample: Sample, text: str) -> dict:
+        whole = self.choice(index, prompt, sample)
+        delta: dict[str, Any] = {"content": text}
+        if calls := whole["message"].get("tool_calls"):
+            delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(calls)]
+        return {
+            "index": index,
+            "delta": delta,
+            "finish_reason": whole["finish_reason"],
+            "logprobs": whole["logprobs"],
+            "prompt_token_ids": prompt,
+            "token_ids": sample.token_ids,
+        }
+
+    async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:
+        head = _head(self.chunk_kind, self.model, -1)
+        for k in range(len(ids) * params.n):
+            delta = {"role": "assistant", "content": ""}
+            yield _sse({**head, "choices": [{"index": k, "delta": delta, "finish_reason": None}]})
+        async for event in super().events(ids, params):
+            yield event
+
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's messages as a template takes them: content as one string (text parts
+    joined), `developer` as `system`; a 400 naming the first message that cannot be read."""
+    if not raw:
+        raise APIError(400, "messages: at least one message is needed", "messages")
+    messages = []
+    for i, message in enumerate(raw):
+        role, content = message.get("role"), message.get("content")
+        where = f"messages[{i}]"
+        if role not in ROLES:
+            raise APIError(400, f"{where}.role={role!r}: one of {sorted(ROLES)}", where)
+        if isinstance(content, list):
+            if not all(_text_part(p) for p in content):
+                raise APIError(400, f"{where}.content: only text parts are supported", where)
+            content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str):
+            raise APIError(400, f"{where}.content: a string or a list of text parts", where)
+        if content is None and not message.get("tool_calls"):
+            raise APIError(400, f"{where}.content: missing", where)
+        out = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if message.get("tool_calls"):
+            out["tool_calls"] = message["tool_calls"]
+        if "tool_call_id" in message:
+            out["tool_call_id"] = message["tool_call_id"]
+        if "name" in message:
+            out["name"] = message["name"]
+        messages.append(out)
+    return messages
+
+
+def _text_part(part: Any) -> bool:
+    return (
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    )
+
+
+def chat_prompt(tokenizer: Any, body: ChatRequest) -> list[int]:
+    template = ChatTemplate(tokenizer)
+    tools = body.tools if body.tool_choice != "none" else None
+    messages = chat_messages(body.messages)
+    try:
+        text = template.render(messages, tools, generation=True)
+    except Exception as exc:  # the template's own refusal (jinja raises on what it rejects)
+        raise APIError(400, f"messages: the chat template refused them: {exc}", "messages") from exc
+    return template.encode(text)
+
+
+def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions over `backend`."""
+    import asyncio
+
+    install_errors(app)
+    guard = [Depends(authorized)]
+
+    @app.get("/v1/models", dependencies=guard)
+    async def models() -> dict[str, Any]:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "relay",
+             "max_model_len": backend.max_len}
+            for name in backend.served()
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    async def answer(endpoint: Endpoint, ids: list[list[int]], max_tokens: int, top: int) -> Any:
+        body = endpoint.body
+        check_prompts(ids, body.n, max_tokens, backend)
+        params = endpoint.params(max_tokens, top)
+        if body.stream:
+            return StreamingResponse(endpoint.events(ids, params), media_type="text/event-stream")
+        return endpoint.response(ids, await backend.generate(ids, params))
+
+    @app.post("/v1/completions", dependencies=guard)
+    async def completions(body: CompletionRequest) -> Any:
+        served_model(body, backend)
+        check_supported(body)
+        # Off the event loop: a long text takes a while to tokenize, and /health must answer.
+        ids = await asyncio.to_thread(prompt_ids, backend.tokenizer, body.prompt)
+        return await answer(Completions(backend, body), ids, body.max_tokens, body.logprobs or 0)
+
+    @app.post("/v1/chat/completions", dependencies=guard)
+    async def chat(body: ChatRequest) -> Any:
+        served_model(body, backend)
+        check_supported(body)
+        ids = [await asyncio.to_thread(chat_prompt, backend.tokenizer, body)]
+        limit = body.max_completion_tokens or body.max_tokens or backend.max_len - len(ids[0])
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        return await answer(ChatCompletions(backend, body), ids, max(limit, 1), top)

@@ -1,0 +1,268 @@
+"""The embedded inference server: OpenAI's completions and chat API (rl/inference/openai_api.py)
+over the embedded engine (rl/inference/engine.py), with Relay's admin routes to load, receive
+and report weights and to sleep and wake.
+
+Every handler awaits the engine thread's future, never the model, so /health answers while a
+batch decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from rl.core.auth import bearer_guard
+from rl.core.config import RunConfig
+from rl.core.derive import max_model_len
+from rl.core.lora import ADAPTER_NAME, is_adapter_dir
+from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
+from rl.core.rundir import RunDir, point_dirs, point_name
+from rl.core.runtime import listen_socket, run_token, server_host, write_address
+from rl.inference.engine import CompletionJob, Engine, EngineStopped, LoadJob, MemoryJob
+from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
+from rl.weights.published import loading_from, published_dir
+from rl.weights.routes import add_routes
+from rl.weights.sync import WeightGroupSpec, WeightReceiver
+
+
+class EngineBackend:
+    """The engine as the OpenAI routes' backend (rl/inference/openai_api.py): requests become
+    jobs, and a streamed one gets its tokens from the engine thread step by step."""
+
+    def __init__(self, engine: Engine, max_len: int) -> None:
+        self.engine, self.max_len = engine, max_len
+        self.model_name, self.tokenizer = engine.model_name, engine.tokenizer
+        self.max_rows, self.vocab_size = engine.max_batch_size, engine.vocab_size
+
+    def served(self) -> list[str]:
+        adapters = self.engine.adapters.loaded if self.engine.adapters else {}
+        return [self.model_name, *sorted(n for n in adapters if n != self.model_name)]
+
+    def _job(self, prompts: list[list[int]], params: Params, sink: Any = None) -> CompletionJob:
+        return CompletionJob(
+            prompts, params.n, params.max_tokens, params.temperature, params.seed,
+            params.limits, sink, params.model,
+        )  # fmt: skip
+
+    async def generate(self, prompts: list[list[int]], params: Params) -> Result:
+        try:
+            version, samples = await asyncio.wrap_future(
+                self.engine.submit(self._job(prompts, params))
+            )
+        except EngineStopped as exc:
+            raise APIError(503, str(exc)) from exc
+        return Result(version, version, samples)
+
+    async def stream(
+        self, prompts: list[list[int]], params: Params
+    ) -> AsyncIterator[Deltas | Result]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Deltas | None] = asyncio.Queue()
+
+        def sink(deltas: Deltas) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, deltas)
+
+        future = self.engine.submit(self._job(prompts, params, sink))
+        # Queued after every step's tokens, from the same thread: it arrives last.
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        while (deltas := await queue.get()) is not None:
+            yield deltas
+        try:
+            version, samples = future.result()
+        except EngineStopped as exc:
+            raise APIError(503, str(exc)) from exc
+        yield Result(version, version, samples)
+
+
+class EmbeddedReceiver:
+    """The engine's end of weight broadcast: joins a group on a worker thread, receives on the
+    engine thread between batches, as a load from disk does."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.receiver: WeightReceiver | None = None
+        self.weight_group: str | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def weight_receivers(self) -> int:
+        return 1
+
+    async def receive_broadcast(self, spec: WeightGroupSpec, member: str, version: int) -> None:
+        if self.weight_group != spec.group:
+            self.receiver = self.weight_group = None
+            self.receiver = await asyncio.to_thread(WeightReceiver, spec, member)
+            self.weight_group = spec.group
+        await asyncio.wrap_future(self.engine.submit(LoadJob(None, version, self.receiver)))
+
+
+class LoadWeightsRequest(BaseModel):
+    """A published version of this run; `path`, if sent, must be its `weights/step_N`."""
+
+    version: int
+    path: str | None = None
+    adapter: str | None = Field(default=None, pattern=f"^{ADAPTER_NAME.pattern}$")
+    """In a LoRA run, the name to serve this version's adapter under (None: the run's own
+    policy); requests then ask for it as their `model`."""
+
+
+# Generous for any servable request: a token costs at most a few bytes as a JSON id, and text
+# averages a few characters a token (more when JSON-escaped).
+BYTES_PER_TOKEN = 16
+BODY_SLACK = 64 * 1024  # the request's other fields
+
+
+def body_limit(max_len: int, max_rows: int) -> int:
+    """The largest request body accepted: max_rows prompts of max_len tokens each, and slack."""
+    return max_rows * max_len * BYTES_PER_TOKEN + BODY_SLACK
+
+
+class BodyLimit:
+    """ASGI middleware refusing (413) a body over `limit` bytes before it is read whole: by its
+    Content-Length at once, or as its streamed size passes the limit."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _too_large(self) -> str:
+        return f"request body over {self.limit} bytes (inference.max_batch_size x context length)"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        from fastapi import HTTPException
+        from fastapi.responses import JSONResponse
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await JSONResponse({"detail": self._too_large()}, 413)(scope, receive, send)
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # raised inside the route: answered as a 413
+                raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = None) -> Any:
+    """The HTTP routes; every handler awaits the engine thread's future, never the model.
+    Weights load from `run_dir`'s published versions only (none without one)."""
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.responses import JSONResponse
+
+    authorized = bearer_guard(token)
+
+    # The OpenAPI description is served behind the token like every route but /health.
+    app = FastAPI(title="relay-inference", openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=body_limit(max_len, engine.max_batch_size))
+    add_openai_routes(app, EngineBackend(engine, max_len), authorized)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if reason := engine.failure():
+            return JSONResponse({"status": "failed", "detail": reason}, status_code=503)
+        return {"status": "ok", "policy_version": engine.version}
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi() -> dict:
+        return app.openapi()
+
+    @app.get("/admin/version", dependencies=[Depends(authorized)])
+    async def version(model: str = "") -> dict:
+        """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
+        return {"policy_version": engine.held(model)}
+
+    add_routes(app, authorized, EmbeddedReceiver(engine), engine.logger)
+
+    @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
+    async def load_weights(body: LoadWeightsRequest) -> dict:
+        try:
+            source = loading_from(run_dir, engine.shared, body.adapter)
+            path = await asyncio.to_thread(published_dir, source, body.version, body.path)
+            job = LoadJob(path, body.version, adapter=body.adapter or "")
+            return await asyncio.wrap_future(engine.submit(job))
+        except ValueError as exc:  # RefusedWeights, or weights that do not fit the model
+            raise HTTPException(400, str(exc)) from exc
+
+    @app.post("/admin/sleep", dependencies=[Depends(authorized)])
+    async def sleep() -> dict:
+        return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=True)))
+
+    @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
+    async def wake_up() -> dict:
+        return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
+
+    return app
+
+
+def restored(run_dir: Path, shared: bool) -> list[tuple[str, Path, int]]:
+    """What a restarted server loads before it answers, as (adapter name, directory, version):
+    the newest published version (a LoRA run's adapter after its base, version 0), or for a
+    sweep's shared inference each point's newest under the point's name ("": the policy)."""
+    if shared:
+        return [
+            (point_name(point), RunDir(point).weights_for(newest), newest)
+            for point in point_dirs(Path(run_dir).parent)
+            if (newest := RunDir(point).newest_version()) >= 0
+        ]
+    run = RunDir(run_dir)
+    newest = run.newest_version()
+    if newest < 0:
+        return []
+    loads = [("", run.weights_for(newest), newest)]
+    if is_adapter_dir(run.weights_for(newest)):
+        loads.insert(0, ("", run.weights_for(0), 0))
+    return loads
+
+
+def _announce(server: Any, run_dir: Path, name: str, port: int, logger: logging.Logger) -> None:
+    """Publish the address only once uvicorn accepts connections, so clients never race it."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    write_address(run_dir, name, server_host(), port)
+    logger.info("listening on http://%s:%d", server_host(), port)
+
+
+def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> None:
+    """Load the model, start the engine and serve until SIGTERM."""
+    import torch
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keeps the role's log one line per event
+    path = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    device = "cuda" if (cfg.cluster.gpus_per_node or 0) > 0 and torch.cuda.is_available() else "cpu"
+    model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
+    engine = Engine(model, load_tokenizer(path), cfg, logger)
+    # A restarted server: back on the newest policy (or each sweep point's) before it answers.
+    for adapter, weights, version in restored(run_dir, cfg.inference.shared):
+        engine.submit(LoadJob(weights, version, adapter=adapter))
+    app = build_app(engine, run_token(run_dir), max_model_len(cfg), run_dir)
+    sock = listen_socket(server_host(), cfg.inference.port)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, log_level="warning", access_log=False)
+    )
+    engine.start()
+    announce = (server, run_dir, name, port, logger)
+    threading.Thread(target=_announce, args=announce, daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()

@@ -1,0 +1,296 @@
+"""The orchestrator: samples prompts, gets completions from inference, scores them, computes
+group advantages and pushes scored groups to the rollout queue, within the staleness budget.
+
+Batch N may be generated once inference holds policy version >= N - async_level; the
+orchestrator loads the newest published weights into every inference server before each batch
+(with inference.weight_transport=broadcast the trainer sends them itself: rl/weights/), and
+evaluates held-out prompts at version 0 (after warm-up), every `eval_every` versions and at
+the final version.
+
+Groups without signal (every advantage zero) are dropped and replaced by new prompts, for at
+most `MAX_FILL_ROUNDS` rounds; the first round draws for the groups it expects to drop.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from rl.core import wire
+from rl.core.config import Placement
+from rl.core.derive import max_model_len
+from rl.core.model import ensure_checkpoint, load_tokenizer
+from rl.core.records import Episode, EvalRecord, Group, is_eval
+from rl.core.rundir import RunDir, point_name, shared_service
+from rl.core.runtime import (
+    Peer,
+    auth_headers,
+    inference_names,
+    load_run_config,
+    run_token,
+    setup_logging,
+)
+from rl.envs import Environment, Example, make_environment
+from rl.inference.client import InferenceClient
+from rl.orchestrator.advantages import ADVANTAGES
+from rl.orchestrator.episodes import run_episodes
+from rl.orchestrator.scoring import no_signal, rollout_record, score_group
+from rl.weights.factory import make_waiter
+
+MAX_FILL_ROUNDS = 4  # sampling rounds to replace zero-advantage groups before keeping them
+# The first round draws enough prompts for the groups it expects to drop (at most this many
+# times a batch), so that few batches need a further round: each is a sequential decode.
+MAX_OVERSAMPLE = 2.0
+SIGNAL_SHARE_DECAY = 0.8  # weight of the past in the running share of groups with signal
+
+
+@dataclass
+class Fill:
+    """A batch as its rounds fill it: the groups kept (with their prompts and episodes), and
+    what else was generated."""
+
+    kept: list[tuple[Example, list[Episode], Group]] = field(default_factory=list)
+    filtered: int = 0
+    """Groups dropped for having no signal (or no episode that reached the model)."""
+    surplus: int = 0
+    """Groups with signal drawn beyond the batch."""
+    generated: int = 0
+    """Episodes generated in all rounds."""
+    versions: set[int] = field(default_factory=set)
+
+
+def last_eval(run_dir: RunDir) -> int:
+    """The newest policy version the run has evaluated (-1 when none)."""
+    return max((r["step"] for r in run_dir.read_metrics() if is_eval(r)), default=-1)
+
+
+class Orchestrator:
+    """The orchestrator role of one run (module docstring)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = RunDir(run_dir)
+        self.cfg = cfg = load_run_config(run_dir)
+        self.log = setup_logging("orchestrator")
+        self.env: Environment = make_environment(cfg.environment)
+        token = run_token(run_dir)
+        self.queue = Peer(run_dir, "queue", cfg.timeouts.peer_s)
+        shared = cfg.inference.shared  # served by the sweep's inference, as this point
+        self.inference = InferenceClient(
+            run_dir,
+            inference_names(cfg),
+            token,
+            cfg.model.name,
+            cfg.timeouts,
+            adapter=point_name(Path(run_dir)) if shared else "",
+            service=shared_service(Path(run_dir)) if shared else None,
+        )
+        self.http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
+        self.version = -1
+        self.last_eval = last_eval(self.run_dir)
+        self.weights = make_waiter(cfg, run_dir, self.inference, self.log)
+        self.colocated_gpu = cfg.placement == Placement.colocated and bool(
+            cfg.cluster.gpus_per_node
+        )
+        self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
+        self.tokenizer = None
+        if self.env.max_turns > 1:  # multi-turn rollouts send token ids
+            self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
+            self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
+        self.max_len = max_model_len(cfg)
+        self.signal_share: float | None = None  # share of first-round groups with signal
+
+    def rollouts(self, examples: list[Example], n: int, temperature: float) -> list[Episode | None]:
+        """`n` episodes per example (example-major), single- or multi-turn, or played by the
+        environment itself (None: an episode without a model turn)."""
+        max_tokens = self.cfg.environment.max_tokens
+        own = self.env.rollouts(self.inference, examples, n, temperature, self.max_len)
+        if own is not None:
+            return own
+        if self.tokenizer is None:
+            prompts = [e.prompt for e in examples]
+            done = self.inference.complete_all(prompts, n, max_tokens, temperature)
+            return [Episode.of(c) for c in done]
+        return run_episodes(
+            self.inference, self.env, self.tokenizer, examples, n, max_tokens, temperature,
+            self.max_len,
+        )  # fmt: skip
+
+    def wait_for_version(self, minimum: int) -> None:
+        """Block until inference holds weights >= minimum (rl/weights/: loaded from
+        `weights/step_N` by the orchestrator, or broadcast by the trainer), then evaluate when
+        an eval is due."""
+        self.version = self.weights.wait(minimum, self.version)
+        every = self.cfg.environment.eval_every
+        if self.last_eval < 0 or (every and self.version // every > self.last_eval // every):
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        examples = self.env.eval_examples()
+        t0 = time.monotonic()
+        episodes = self.rollouts(examples, 1, 0.0)
+        scored = [(e, p.completion) for e, p in zip(examples, episodes, strict=True) if p]
+        rewards = [self.env.score(e, c) for e, c in scored]  # no model turn: 0, not solved
+        rewards += [0.0] * (len(examples) - len(scored))
+        exact = [self.env.exact_match(e, c) for e, c in scored]
+        exact += [False] * (len(examples) - len(scored))
+        record = EvalRecord(
+            step=self.version,
+            exact_match=sum(exact) / len(exact),
+            reward_mean=sum(rewards) / len(rewards),
+            samples=len(examples),
+            time_s=time.monotonic() - t0,
+        )
+        self.run_dir.append_metrics(record.to_json())
+        self.log.info(
+            "eval at version %d: exact_match %.3f reward %.3f",
+            self.version,
+            record.exact_match,
+            record.reward_mean,
+        )
+        self.last_eval = self.version
+
+    def generate(self, step: int) -> None:
+        """Generate, score and push batch `step`: prompts_per_step groups with signal."""
+        started_at, t0 = time.time(), time.monotonic()
+        fill = self.fill(step)
+        gen_s = time.monotonic() - t0
+        if not fill.kept:
+            raise RuntimeError(
+                f"batch {step}: no episode of {MAX_FILL_ROUNDS} rounds reached the model (every "
+                "agent failed before its first request; the warnings above say why)"
+            )
+        groups = [g for _, _, g in fill.kept]
+        groups[0].samples[0].filtered_groups = fill.filtered
+        episodes = [e for _, mine, _ in fill.kept for e in mine]
+        # Recorded before the push, so it precedes the train record of the step it feeds.
+        record = rollout_record(
+            step, episodes, started_at, gen_s, self.weights.load_s, fill.generated, fill.surplus
+        )
+        self.run_dir.append_metrics(record.to_json())
+        self.weights.load_s = 0.0
+        self.push(groups, step)
+        self.save_rollouts(step, *fill.kept[0])
+        if self.colocated_gpu:  # the trainer's turn: it gets the GPU to itself
+            self.inference.sleep()
+        self.log.info(
+            "batch %d generated with version %s in %.2f s (%d groups, %d filtered)",
+            step, sorted(fill.versions), gen_s, len(groups), fill.filtered,
+        )  # fmt: skip
+
+    def fill(self, step: int) -> Fill:
+        """Batch `step`'s groups, round by round until it holds prompts_per_step groups with
+        signal (the last round keeps whatever it gets, so a batch always fills)."""
+        want = self.cfg.environment.prompts_per_step
+        # Each batch draws from its own seeded stream: a restarted orchestrator draws the same
+        # prompts (how many depends on the share of groups with signal it has seen).
+        rng = random.Random(self.cfg.seed * 1_000_003 + step)
+        pool = self.env.train_examples()
+        fill = Fill()
+        for round_ in range(1, MAX_FILL_ROUNDS + 1):
+            examples = rng.sample(pool, self.draw(want - len(fill.kept), round_, len(pool)))
+            with_signal = self.fill_round(fill, examples, want, last=round_ == MAX_FILL_ROUNDS)
+            if self.cfg.algorithm.filter_zero_advantage and round_ == 1:  # the first sets it
+                seen = with_signal / len(examples)
+                old = seen if self.signal_share is None else self.signal_share
+                self.signal_share = SIGNAL_SHARE_DECAY * old + (1 - SIGNAL_SHARE_DECAY) * seen
+            if len(fill.kept) == want:
+                break
+        return fill
+
+    def draw(self, missing: int, round_: int, available: int) -> int:
+        """Prompts to draw for `missing` groups. The first round draws enough that the groups
+        with signal reach the batch's but one standard deviation short of their expected
+        number; not where even the most it may draw would fall short (a task whose rewards
+        rarely differ): more rounds come anyway."""
+        share = 1.0 if self.signal_share is None else self.signal_share
+        if not (self.cfg.algorithm.filter_zero_advantage and round_ == 1):
+            return missing
+        if share * MAX_OVERSAMPLE < 1:
+            return missing
+        margin = math.sqrt(missing * (1 - share))
+        draw = min(math.ceil((missing + margin) / share), int(MAX_OVERSAMPLE * missing))
+        return min(draw, available)
+
+    def fill_round(self, fill: Fill, examples: list[Example], want: int, last: bool) -> int:
+        """One round's rollouts scored into `fill`; returns how many groups had signal."""
+        env_cfg, algo = self.cfg.environment, self.cfg.algorithm
+        n = env_cfg.group_size
+        episodes = self.rollouts(examples, n, algo.temperature)
+        fill.generated += sum(e is not None for e in episodes)
+        fill.versions |= {e.min_version for e in episodes if e}
+        with_signal = 0
+        for i, example in enumerate(examples):
+            mine = [e for e in episodes[i * n : (i + 1) * n] if e]
+            if not mine:  # no episode reached the model (agents that failed at once)
+                fill.filtered += 1
+                continue
+            group = score_group(
+                self.env, self.advantage, example, mine, algo.length_penalty, env_cfg.max_tokens
+            )
+            if algo.filter_zero_advantage and not last and no_signal(group):
+                fill.filtered += 1
+                continue
+            with_signal += 1
+            if len(fill.kept) == want:  # drawn for groups that turned out to have signal
+                fill.surplus += 1
+                continue
+            fill.kept.append((example, mine, group))
+        return with_signal
+
+    def push(self, groups: list[Group], step: int) -> None:
+        """Push batch `step` in one request; wait and retry while the queue is full. The queue
+        ignores a batch it already holds, so a push retried after a lost answer is stored once."""
+        while True:
+            response = self.queue.request(
+                self.http,
+                "POST",
+                "/push",
+                params={"batch": step},
+                content=wire.encode([g.to_dict() for g in groups]),
+                headers={"Content-Type": wire.CONTENT_TYPE},
+            )
+            if response.status_code != 429:
+                response.raise_for_status()
+                return
+            time.sleep(float(response.headers.get("Retry-After", wire.RETRY_AFTER_S)))
+
+    def save_rollouts(
+        self, step: int, example: Example, episodes: list[Episode], group: Group
+    ) -> None:
+        """The batch's first group, for inspection (`rollouts/samples.jsonl`)."""
+        for episode, sample in zip(episodes, group.samples, strict=False):
+            record = {
+                "step": step,
+                "version": sample.min_version,
+                "prompt": example.prompt,
+                "answer": example.answer,
+                "completion": episode.text,
+                "reward": sample.reward,
+                "advantage": sample.advantage,
+            }
+            self.run_dir.append_rollout(record)
+
+    def next_batch(self) -> int:
+        """The first batch the queue does not hold: where a restarted orchestrator resumes."""
+        response = self.queue.request(self.http, "GET", "/stats")
+        response.raise_for_status()
+        return int(response.json()["next_batch"])
+
+    def run(self) -> None:
+        cfg = self.cfg
+        first = self.next_batch()
+        if first:
+            self.log.info("resuming: the queue holds batches 0..%d", first - 1)
+        self.wait_for_version(0)
+        for step in range(first, cfg.max_steps):
+            self.wait_for_version(step - cfg.algorithm.async_level)
+            self.generate(step)
+        self.wait_for_version(cfg.max_steps)
+        if self.last_eval != cfg.max_steps:
+            self.evaluate()
+        self.log.info("done: %d batches generated", cfg.max_steps)

@@ -1,0 +1,63 @@
+"""`python -m rl.queue --run-dir D`: the rollout queue of run D, until SIGTERM.
+
+It opens the run's store (refusing one that lost committed data), serves the routes of
+rl/queue/app.py, and records its address once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from rl.core.rundir import RunDir
+from rl.core.runtime import (
+    listen_socket,
+    load_run_config,
+    role_args,
+    run_token,
+    server_host,
+    setup_logging,
+    start_heartbeat,
+    write_address,
+)
+from rl.queue.app import create_app
+from rl.queue.store import Store, StoreLost
+
+
+def main() -> None:
+    args = role_args("queue")
+    log = setup_logging("queue")
+    cfg = load_run_config(args.run_dir)
+    start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
+    run_dir = RunDir(args.run_dir)
+    try:
+        store = Store(run_dir.queue_store, run_dir.queue_marks)
+    except StoreLost as err:
+        log.error("%s", err)
+        raise SystemExit(f"queue: {err}") from None
+    app = create_app(
+        store,
+        run_token(args.run_dir),
+        groups_per_step=cfg.environment.prompts_per_step,
+        max_off_policy=cfg.algorithm.max_off_policy_steps,
+        capacity=cfg.queue.capacity,
+        max_request_bytes=cfg.queue.max_request_mb * 2**20,
+    )
+    sock = listen_socket(server_host(), cfg.queue.port)
+    host, port = sock.getsockname()
+
+    @contextlib.asynccontextmanager
+    async def announce(_: FastAPI) -> AsyncIterator[None]:
+        write_address(args.run_dir, "queue", host, port)  # once it serves: peers may come
+        log.info("listening on %s:%d (store %s)", host, port, run_dir.queue_store)
+        yield
+
+    app.router.lifespan_context = announce
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

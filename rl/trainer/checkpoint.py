@@ -1,0 +1,70 @@
+"""Trainer checkpoints and whole weights under any sharding.
+
+Checkpoints go through torch.distributed.checkpoint (DCP): every rank writes its own shards,
+and a checkpoint written by one world size loads into another. `full_state_dict` gathers the
+weights for an HF-layout export on rank 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+
+def full_state_dict(model: torch.nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """Whole, unsharded weights (a collective under FSDP: every rank calls it). Rank 0 gets
+    them on the host; with `every_rank`, every rank gets them, on its device."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    return get_model_state_dict(model, options=options)
+
+
+def _checkpointed(
+    model: Any, optimizer: Any, trainable_only: bool
+) -> tuple[dict[str, Any], dict[str, Any], StateDictOptions]:
+    """The model's and optimiser's state dicts a checkpoint holds: every parameter, or (a LoRA
+    run, whose base is its published version 0) only those that train. A tied weight (the LM
+    head that is the embedding) is not a parameter of its own and would slip past DCP's
+    `ignore_frozen_params`: only names of trainable parameters are kept."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        trained = {
+            name.replace("._checkpoint_wrapped_module", "")
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+        model_state = {k: v for k, v in model_state.items() if k in trained}
+    return model_state, optim_state, options
+
+
+def save_checkpoint(
+    model: Any, optimizer: Any, step: int, target: Path, trainable_only: bool = False
+) -> None:
+    """Model, optimiser and step with DCP, each rank writing its shards (a collective)."""
+    model_state, optim_state, _ = _checkpointed(model, optimizer, trainable_only)
+    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=target)
+
+
+def load_checkpoint(model: Any, optimizer: Any, source: Path, trainable_only: bool = False) -> int:
+    """Load a DCP checkpoint into the model and optimiser as they are sharded now (any world
+    size); returns its step."""
+    model_state, optim_state, options = _checkpointed(model, optimizer, trainable_only)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "step": 0}
+    dcp.load(state, checkpoint_id=source)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
+    )
+    return int(state["step"])

@@ -1,0 +1,463 @@
+"""The trainer: pulls step N's batch from the rollout queue, computes the loss with importance
+correction against the inference logprobs, steps AdamW, publishes policy version N+1 (to
+`weights/step_{N+1}/`, or by broadcast straight to the inference workers) and checkpoints.
+Runs under torchrun; torch.distributed is initialised even for one process, so the same code
+path serves a larger world.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from rl.core import wire
+from rl.core.derive import ParallelDims, learning_rate, trainer_dims
+from rl.core.lora import enabled as lora_enabled
+from rl.core.lora import targets as lora_targets
+from rl.core.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
+from rl.core.records import BatchShard, Sample, TrainRecord, WarmupRecord, is_train
+from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete
+from rl.core.runtime import (
+    CHECKPOINT_ON_TERM_ENV,
+    Peer,
+    auth_headers,
+    load_run_config,
+    run_token,
+    setup_logging,
+)
+from rl.envs import make_environment
+from rl.trainer.batches import IDLE, micro_batch, sft_batch, token_logprobs
+from rl.trainer.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from rl.trainer.lora import nbytes, train_only, wrap
+from rl.trainer.losses import LOSSES, loss_stats, reduce
+from rl.trainer.metrics import SUMMED_STATS, env_metrics, memory_metrics, step_metrics
+from rl.trainer.packing import packed_logprobs
+from rl.trainer.parallel import clip_grad_norm, local_parameter_bytes, parallelize, rank_device
+from rl.weights.factory import make_publisher
+
+
+class Trainer:
+    """One trainer rank of a run (module docstring); every rank runs the same steps."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = RunDir(run_dir)
+        self.cfg = cfg = load_run_config(run_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.log = setup_logging(f"trainer-{self.rank}")
+        self.terminated = False
+        if os.environ.get(CHECKPOINT_ON_TERM_ENV):
+            signal.signal(signal.SIGTERM, self._terminated)
+        self.base = self.built_base()
+        self.device = rank_device(cfg)
+        self.dims = self.mesh_dims()
+        self.tokenizer = load_tokenizer(self.base)
+        self.model = self.build_model()
+        self.layout = parallelize(self.model, self.dims, cfg.trainer, self.device)
+        self.log.info(
+            "mesh %s on %s: %.1f MB of parameters on this rank",
+            self.dims, self.device, local_parameter_bytes(self.model) / 1e6,
+        )  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=learning_rate(cfg),
+            betas=tuple(cfg.algorithm.betas),
+            weight_decay=cfg.algorithm.weight_decay,
+        )
+        self.loss_fn = LOSSES[str(cfg.algorithm.loss)]
+        self.reference: Any = None
+        self.weights = make_publisher(cfg, run_dir, self.log)
+
+    def built_base(self) -> Path:
+        """The base checkpoint, built (or converted) once by rank 0 before the others look."""
+        torch.manual_seed(self.cfg.seed)
+        if self.rank == 0:
+            ensure_checkpoint(self.cfg.model, seed=self.cfg.seed)
+        dist.barrier()
+        return ensure_checkpoint(self.cfg.model, seed=self.cfg.seed)
+
+    def mesh_dims(self) -> ParallelDims:
+        """`parallel.trainer`'s degrees, which must make a mesh of the ranks torchrun started."""
+        dims = trainer_dims(self.cfg.parallel.trainer, self.world)
+        if dims.world != self.world:
+            raise ValueError(
+                f"parallel.trainer: the degrees make a mesh of {dims.world} ranks, but "
+                f"the trainer was started with {self.world}"
+            )
+        return dims
+
+    def build_model(self) -> Any:
+        """The model before parallelism: read by rank 0 (and by one process), built on the
+        meta device (shapes, no memory) by the other ranks, which receive their shards after
+        sharding; with LoRA, wrapped with its adapter (a resumed run's base is its version 0,
+        the model after warm-up)."""
+        cfg = self.cfg
+        weights = self.lora_base() if lora_enabled(cfg.model) else self.base
+        if self.dims.sharded and self.rank != 0:
+            model = empty_model(weights, dtype=cfg.model.dtype)
+        else:
+            model = load_model(weights, dtype=cfg.model.dtype, device=self.device)
+        # Bytes of a weight update (for LoRA, the adapter's) and of the full weights.
+        self.update_bytes = self.full_bytes = nbytes(model.parameters())
+        if not lora_enabled(cfg.model):
+            return model
+        torch.manual_seed(cfg.seed)  # A's random start: the same in any layout
+        model = wrap(model, cfg.model)  # before sharding: FSDP shards the adapter with the rest
+        self.update_bytes = nbytes(p for p in model.parameters() if p.requires_grad)
+        self.log.info(
+            "LoRA rank %d on %s: a weight update moves %.3f MB, the full weights %.3f MB "
+            "(%.1fx fewer)",
+            cfg.model.lora.rank, ",".join(lora_targets(cfg.model)), self.update_bytes / 1e6,
+            self.full_bytes / 1e6, self.full_bytes / self.update_bytes,
+        )  # fmt: skip
+        return model
+
+    def lora_base(self) -> Path:
+        """The weights a LoRA run's adapter sits on: its published version 0 when it resumes
+        from a checkpoint (the warm-up trained them), else the model's."""
+        step_0 = self.run_dir.weights_for(0)
+        if self.run_dir.latest_checkpoint() is not None and is_complete(step_0):
+            return step_0
+        return self.base
+
+    def warmup(self) -> None:
+        """Supervised warm-up: cross-entropy on the answers of training examples. Every weight
+        trains, with LoRA too: the warm-up makes the base the adapter is then trained on."""
+        cfg = self.cfg.warmup
+        if cfg.steps <= 0:
+            return
+        examples = make_environment(self.cfg.environment).train_examples()
+        adapted = lora_enabled(self.cfg.model)
+        if adapted:  # the base trains, the adapter (B = 0, so it adds nothing) waits
+            train_only(self.model, adapter=False)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=cfg.lr)
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        t0 = time.monotonic()
+        for step in range(cfg.steps):
+            picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
+            mine = picks[self.layout.dp_rank :: self.layout.dp_world]
+            batch = sft_batch(self.tokenizer, [examples[i] for i in mine])
+            ids, attention, completion = (t.to(self.device) for t in batch)
+            logp, _ = token_logprobs(self.model, ids, attention)
+            total = completion.sum().float()
+            if self.world > 1:  # normalised by the whole batch's tokens, gradients summed
+                dist.all_reduce(total)  # (CP ranks count theirs cp times: they add cp grads)
+            loss = -(logp * completion).sum() / total
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % 10 == 9 or step == cfg.steps - 1:
+                self.log.info("warmup step %d/%d loss %.4f", step + 1, cfg.steps, loss.item())
+                if self.rank == 0:  # the launcher shows warm-up progress from these
+                    done = WarmupRecord(step + 1, cfg.steps, loss.item(), time.monotonic() - t0)
+                    self.run_dir.append_metrics(done.to_json())
+        if adapted:
+            train_only(self.model, adapter=True)
+        self.log.info("warmup done in %.1f s", time.monotonic() - t0)
+
+    def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
+        """This rank's shard of step `step`: long-polls until the queue has assembled it, for
+        at most `timeouts.batch_s`, then fails saying what it waited for."""
+        deadline = time.monotonic() + self.cfg.timeouts.batch_s
+        params = {
+            "step": step,
+            "rank": self.layout.dp_rank,
+            "world": self.layout.dp_world,
+            "wait": wire.LONG_POLL_S,
+            "micro_tokens": self.cfg.trainer.micro_batch_tokens,
+        }
+        while True:
+            response = queue.request(
+                http, "GET", "/batch", params=params, headers={"Accept": wire.CONTENT_TYPE}
+            )
+            if response.status_code == 200:
+                groups, meta = wire.decode(response.content)
+                return BatchShard.from_wire(meta, groups[0]["samples"])
+            if response.status_code != 204:
+                response.raise_for_status()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"trainer rank {self.rank}: batch {step} not assembled by the queue within "
+                    f"{self.cfg.timeouts.batch_s:g} s (timeouts.batch_s); is the orchestrator "
+                    "generating?"
+                )
+
+    def batch_totals(self, samples: list[Sample]) -> dict[str, float]:
+        """Whole-batch denominators (over every rank) for the loss normalisation."""
+        trained = sum(s.trained_tokens for s in samples)
+        counts = torch.tensor([float(trained), float(len(samples))])
+        if self.world > 1:
+            dist.all_reduce(counts)
+            counts /= self.dims.cp  # each CP group's ranks hold the same samples
+        tokens, sequences = counts.tolist()
+        return {
+            "tokens": max(tokens, 1.0),
+            "sequences": max(sequences, 1.0),
+            "max_tokens": float(self.cfg.environment.max_tokens),
+        }
+
+    def logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token log-probabilities and entropies of a micro-batch, packed or padded."""
+        if self.layout.cp is not None and model is self.model:
+            return packed_logprobs(model, mb["sequences"], self.layout.cp, self.cfg.trainer.packing)
+        if self.cfg.trainer.packing:
+            shared = mb["prompt_lens"] if self.cfg.trainer.share_prompts else None
+            return packed_logprobs(model, mb["sequences"], prompt_lens=shared)
+        return token_logprobs(model, mb["ids"], mb["attention"])
+
+    def passes(self, mine: int) -> int:
+        """Forward/backward passes of this step: the most any rank needs (FSDP runs
+        collectives in every pass, so ranks with fewer micro-batches add idle ones)."""
+        if not self.dims.sharded:
+            return mine
+        most = torch.tensor([mine])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
+    def train_step(self, samples: list[Sample], micro_batches: list[list[int]]) -> dict[str, float]:
+        """One optimiser step over this rank's samples, in the queue's packed micro-batches."""
+        algo = self.cfg.algorithm
+        totals = self.batch_totals(samples)
+        self.optimizer.zero_grad()
+        sums = dict.fromkeys(SUMMED_STATS, 0.0)
+        ratio_max, ratio_min = 0.0, float("inf")
+        for k in range(self.passes(len(micro_batches))):
+            idle = k >= len(micro_batches)
+            part = IDLE if idle else [samples[i] for i in micro_batches[k]]
+            mb = micro_batch(part, self.tokenizer.pad_token_id, self.device)
+            logp, entropy = self.logprobs(self.model, mb)
+            if idle:  # FSDP's collectives need the same passes on every rank: add zero
+                (logp.sum() * 0.0).backward()
+                continue
+            out = self.loss_fn(
+                logp,
+                mb["inference_logprobs"],
+                mb["advantages"],
+                algo,
+                mask=mb["mask"],
+                ref_logprobs=self.reference_logprobs(mb),
+            )
+            loss = reduce(out.per_token, mb["mask"], str(algo.normalization), totals)
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["entropy"] += float((entropy * mb["mask"]).sum()) / totals["tokens"]
+            stats = loss_stats(out, logp, mb["inference_logprobs"], mb["mask"])
+            for key in ("masked_fraction", "clipped_fraction", "mismatch_kl", "ratio_mean"):
+                sums[key] += float(stats[key]) / totals["tokens"]
+            ratio_max = max(ratio_max, float(stats["ratio_max"]))
+            ratio_min = min(ratio_min, float(stats["ratio_min"]))
+        grad_norm = clip_grad_norm(self.model, algo.max_grad_norm, self.dims)
+        self.optimizer.step()
+        return {**self.whole_batch_stats(sums, ratio_max, ratio_min), "grad_norm": float(grad_norm)}
+
+    def whole_batch_stats(
+        self, sums: dict[str, float], ratio_max: float, ratio_min: float
+    ) -> dict[str, float]:
+        """This rank's sums (each term already divided by whole-batch totals) added over the
+        ranks, and the ratio's extremes over them: the step's numbers, the same on every
+        rank. The ranks of a CP group computed the same sums, so they count once."""
+        if self.world == 1:
+            return {**sums, "ratio_max": ratio_max, "ratio_min": ratio_min}
+        added = torch.tensor([sums[key] for key in SUMMED_STATS], dtype=torch.float64)
+        dist.all_reduce(added)
+        added /= self.dims.cp
+        extremes = torch.tensor([ratio_max, -ratio_min], dtype=torch.float64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        whole = dict(zip(SUMMED_STATS, added.tolist(), strict=True))
+        return {**whole, "ratio_max": extremes[0].item(), "ratio_min": -extremes[1].item()}
+
+    def publish(self, version: int) -> None:
+        """Policy `version` for inference, through the configured weight transport
+        (rl/weights/). Under FSDP the shards are gathered first (every rank takes part, when
+        rank 0 says there is anything to publish); rank 0 publishes."""
+        if not self.on_rank_0(self.weights.wanted(version)):
+            return
+        # Gathered under FSDP (a collective); one process publishes its own module directly.
+        state = full_state_dict(self.model) if self.dims.sharded else None
+        if self.rank == 0:
+            self.weights.publish(version, self.model, self.tokenizer, state)
+
+    def checkpoint(self, step: int) -> None:
+        """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank
+        writes its shards; the COMPLETE marker comes last)."""
+        target = self.run_dir.checkpoint_for(step)
+        if self.on_rank_0(is_complete(target)):
+            return
+        save_checkpoint(self.model, self.optimizer, step, target, lora_enabled(self.cfg.model))
+        dist.barrier()
+        if self.rank == 0:
+            mark_complete(target)
+
+    def reference_logprobs(self, mb: dict[str, Any]) -> torch.Tensor | None:
+        """The KL reference's token logprobs of a micro-batch, where the loss has a KL term:
+        with LoRA the model with its adapter switched off, else the frozen copy."""
+        if self.cfg.algorithm.kl_coef <= 0:
+            return None
+        with torch.no_grad():
+            if lora_enabled(self.cfg.model):
+                with self.model.disable_adapter():
+                    return self.logprobs(self.model, mb)[0]
+            return self.logprobs(self.reference, mb)[0]
+
+    def make_reference(self, state: dict[str, Any] | None = None) -> Any:
+        """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
+        reference = load_model(self.base, dtype=self.cfg.model.dtype, device=self.device)
+        reference.load_state_dict(
+            state if state is not None else full_state_dict(self.model, every_rank=True)
+        )
+        return reference.eval().requires_grad_(False)
+
+    def resume(self) -> int:
+        """Load the newest checkpoint, if there is one; returns the step to continue from.
+
+        The queue serves step N's batch again when asked twice, so steps after the checkpoint
+        that a hard kill cut off are recomputed from the same samples.
+        """
+        path = self.run_dir.latest_checkpoint()
+        if path is None:
+            return 0
+        step = load_checkpoint(self.model, self.optimizer, path, lora_enabled(self.cfg.model))
+        reference = self.run_dir.reference
+        if (
+            self.cfg.algorithm.kl_coef > 0
+            and reference.exists()
+            and not lora_enabled(self.cfg.model)
+        ):
+            self.reference = self.make_reference(torch.load(reference))
+        if self.rank == 0:
+            # Steps after the checkpoint are trained again from the same batches: their first
+            # records go, so every step is recorded once.
+            dropped = drop_records(self.run_dir.metrics, lambda r: is_train(r) and r["step"] > step)
+            if dropped:
+                self.log.info("dropped the records of %d steps after the checkpoint", dropped)
+        self.log.info("resumed from %s: continuing at step %d", path, step + 1)
+        return step
+
+    def start(self) -> int:
+        """Warm up and publish version 0, or resume; returns the first RL step to run."""
+        step = self.resume()
+        if step:
+            return step
+        self.warmup()
+        if self.cfg.algorithm.kl_coef > 0 and not lora_enabled(self.cfg.model):
+            # The KL reference is the policy RL starts from: the weights after warm-up (with
+            # LoRA: the same model with its adapter off, no copy).
+            self.reference = self.make_reference()
+            if self.rank == 0:
+                self.run_dir.checkpoints.mkdir(exist_ok=True)
+                torch.save(self.reference.state_dict(), self.run_dir.reference)
+        self.publish(0)
+        return 0
+
+    def on_rank_0(self, flag: bool) -> bool:
+        """Rank 0's value of `flag` on every rank, so that all ranks take the same branch into
+        a collective."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor([float(flag)])
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
+    def _terminated(self, signum: int, frame: object) -> None:
+        """SIGTERM from Slurm (directly, and again from torchrun): finish the step under way,
+        then checkpoint and stop, before Slurm's KillWait ends in SIGKILL."""
+        if not self.terminated:
+            self.log.warning("SIGTERM: checkpointing after the step under way, then stopping")
+        self.terminated = True
+
+    def stop_requested(self) -> bool:
+        """Whether the job supervisor asked for a checkpoint and stop (Slurm preemption or
+        time limit), or Slurm sent SIGTERM under a supervisor that wants a checkpoint first;
+        every rank gets rank 0's answer, so all stop at the same step."""
+        asked = self.terminated or self.run_dir.checkpoint_request.exists()
+        flag = torch.tensor([float(asked)])
+        if self.world > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def run(self) -> None:
+        cfg = self.cfg
+        first = self.start()
+        if cfg.max_steps == 0:  # the warm-up alone: a shared-inference sweep's base
+            self.log.info("done: warm-up only, version 0 published")
+            return
+        token = run_token(self.run_dir.root)
+        http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
+        queue = Peer(self.run_dir.root, "queue", cfg.timeouts.peer_s)
+        for step in range(first, cfg.max_steps):
+            if self.stop_requested():
+                self.checkpoint(step)
+                if self.rank == 0:
+                    self.run_dir.checkpointed.write_text(str(step))
+                self.log.info("checkpointed at step %d and stopped, as asked", step)
+                return
+            t0 = time.monotonic()
+            batch = self.fetch(http, queue, step)
+            t_fetch = time.monotonic() - t0
+            train_start = time.time()
+            stats = self.train_step(batch.samples, batch.micro_batches)
+            t_train = time.monotonic() - t0 - t_fetch
+            self.publish(step + 1)
+            elapsed = time.monotonic() - t0
+            times = {
+                "at/train_start": train_start,  # wall clock, to line up with generation's
+                "at/train_end": time.time(),
+                "time/step": elapsed,
+                "time/wait_batch": t_fetch,
+                "time/train": t_train,
+                "time/weight_sync": elapsed - t_fetch - t_train,
+            }
+            whole = self.whole_batch(batch.samples)  # a collective: every rank takes part
+            if self.rank == 0:  # recorded before the checkpoint that covers it
+                self.record(step, batch, whole, stats, times)
+            if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
+                self.checkpoint(step + 1)
+        self.checkpoint(cfg.max_steps)
+        self.log.info("done: %d steps", cfg.max_steps)
+
+    def whole_batch(self, samples: list[Sample]) -> list[Sample]:
+        """Every data-parallel rank's samples of the step, on every rank (the ranks of a CP
+        group hold the same ones: counted once), so that the step's numbers describe the whole
+        batch and not rank 0's shard."""
+        if self.world == 1:
+            return samples
+        shards: list[Any] = [None] * self.world
+        dist.all_gather_object(shards, (self.layout.dp_rank, samples))
+        return [sample for part in dict(shards).values() for sample in part]
+
+    def record(
+        self,
+        step: int,
+        batch: BatchShard,
+        samples: list[Sample],
+        stats: dict[str, float],
+        times: dict[str, float],
+    ) -> None:
+        """Append step `step + 1`'s record (rl/trainer/metrics.py), with the learning rate, the
+        bytes a weight update moves, and memory."""
+        record = {
+            **step_metrics(step, batch, samples, stats, times),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "weights/update_bytes": self.update_bytes,  # what one version moves to inference
+            "weights/full_bytes": self.full_bytes,
+            **memory_metrics(self.device),
+            "timestamp": time.time(),
+            **env_metrics(samples),
+        }
+        self.run_dir.append_metrics(TrainRecord(step + 1, record).to_json())
+        self.log.info(
+            "step %d reward %.3f loss %.4f staleness %d (wait %.2f s, step %.2f s)",
+            step + 1,
+            record["reward/mean"],
+            record["loss"],
+            record["off_policy/staleness_max"],
+            times["time/wait_batch"],
+            times["time/step"],
+        )

@@ -1,0 +1,227 @@
+"""Trainer parallelism as plain functions over a DeviceMesh, applied by `parallelize` in one
+fixed order (torchtitan's): context parallelism, activation checkpointing, expert parallelism,
+then FSDP2.
+
+`ParallelDims` (rl/core/derive.py, torch-free: the planner resolves the same degrees) is the
+validated description, checked without building a mesh; `build_mesh` turns it into a DeviceMesh
+with named dimensions; `apply_fsdp` shards a Hugging Face causal LM with FSDP2 (`fully_shard`)
+per decoder block and at the root, over `dp_shard` (FSDP) or `dp_replicate x dp_shard` (HSDP:
+sharded inside a group, replicated across groups), with a mixed-precision policy and optional
+CPU offload.
+
+Only rank 0 reads the weights; the other ranks build the model on the meta device and receive
+their shards from it once the model is sharded (`fill_from_rank0`).
+
+Gradients are those of the whole batch's loss: each rank's loss is already normalised by the
+whole batch's token count, so gradients are summed across ranks, not averaged.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from rl.core.config import RunConfig, TrainerConfig
+from rl.core.derive import ParallelDims
+from rl.trainer.context_parallel import ContextParallel
+from rl.trainer.expert_parallel import ExpertParallel, apply_expert_parallel
+
+MESH_DIMS = ("dp_replicate", "efsdp", "cp", "ep")
+
+
+def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
+    """The world as (dp_replicate, efsdp, cp, ep), where efsdp x ep = dp_shard, with two
+    flattened views: `dp_shard_cp` (efsdp, cp, ep) for the dense weights and `efsdp_cp`
+    (efsdp, cp) for the experts. EP is innermost, so each flattened view is contiguous."""
+    shape = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.cp, dims.ep)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh["efsdp", "cp", "ep"]._flatten("dp_shard_cp")
+    mesh["efsdp", "cp"]._flatten("efsdp_cp")
+    return mesh
+
+
+def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]`, where names may be flattened views. torch 2.13 warns that slicing those
+    from the root will be deprecated; HSDP with EP needs (dp_replicate, efsdp_cp) on the root
+    mesh that also holds `ep`, which only that slicing gives today."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """Which share of the batch this rank trains on: its place among (dp_replicate, efsdp,
+    ep); the ranks of one CP group share a share."""
+    rank = 0
+    for name in ("dp_replicate", "efsdp", "ep"):
+        rank = rank * mesh[name].size() + mesh[name].get_local_rank()
+    return rank
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The transformer blocks of an HF causal LM (`model.model.layers`; under a PEFT model's
+    wrapping for LoRA)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return list(model.model.layers)
+
+
+def apply_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder block's activations in the backward pass instead of keeping them
+    (the blocks' own checkpointing, which passes their keyword arguments through)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # the blocks checkpoint only in training mode
+
+
+def apply_fsdp(
+    model: Any,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    experts: list[ExpertParallel] = (),  # type: ignore[assignment]
+    param_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+) -> Any:
+    """Shard each expert-parallel module over the ranks that share its experts, then every
+    decoder block, then the root (embeddings, final norm, LM head)."""
+    if cpu_offload and not torch.cuda.is_available():
+        raise ValueError("trainer.cpu_offload=true moves GPU state to the host; there is no GPU")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs: dict[str, Any] = {"mp_policy": policy}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for module in experts:  # experts first: already split over ep
+        fully_shard(module, mesh=_submesh(mesh, dims.expert_fsdp_dims), **kwargs)
+    kwargs["mesh"] = _submesh(mesh, dims.fsdp_dims)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    # Each rank's loss is normalised by the whole batch: sum gradients, do not average them
+    # (a plain SUM reduction: gloo has no pre-multiplied sum).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, dims: ParallelDims) -> float:
+    """Scale gradients so that their global norm is at most `max_norm`; returns the norm
+    before clipping. Within one replica the ranks' gradient shards (FSDP's, and EP's expert
+    slices) tile every parameter exactly once, so the squares are summed over all ranks and
+    divided by the number of replicas; DTensors over different meshes never meet."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local:
+        squares += g.detach().float().pow(2).sum()
+    if dims.sharded:
+        dist.all_reduce(squares)
+        squares /= dims.dp_replicate
+    norm = squares.sqrt()
+    scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    if scale < 1.0:
+        for g in local:
+            g.mul_(scale)
+    return float(norm)
+
+
+def local_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds (its shards only)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def fill_from_rank0(
+    model: Any, whole: dict[str, torch.Tensor], device: torch.device, cpu_offload: bool = False
+) -> None:
+    """Give a sharded model rank 0's weights (a collective). Rank 0 passes its whole state
+    dict; the other ranks, whose model was built on the meta device, pass nothing, and each
+    rank keeps only its shards. Buffers, which hold no learned state and are not all in a
+    state dict (rotary tables), are sent from rank 0 as they are."""
+    rank = dist.get_rank()
+    if rank != 0:  # sharded parameters live on the host when FSDP offloads them
+        model.to_empty(device="cpu" if cpu_offload else device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole, options=options)
+    names = [(name, b.dtype, tuple(b.shape)) for name, b in model.named_buffers()]
+    theirs = [names]
+    dist.broadcast_object_list(theirs, src=0)
+    if theirs[0] != names:
+        raise RuntimeError(f"rank {rank} built other buffers than rank 0: {names} != {theirs[0]}")
+    for module in model.modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[leaf] = buffer = buffer.to(device)
+                dist.broadcast(buffer, src=0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank stands once the model is parallelized: which share of each batch it trains
+    on (the ranks of one CP group share theirs, EP ranks have their own), and its CP group."""
+
+    dp_rank: int = 0
+    dp_world: int = 1
+    cp: ContextParallel | None = None
+
+
+def parallelize(
+    model: Any, dims: ParallelDims, trainer: TrainerConfig, device: torch.device
+) -> Layout:
+    """Apply the trainer's parallelism to `model` (rank 0's holds the weights, the others' are
+    on the meta device), in this order:
+
+    1. context parallelism: attention over the `cp` group (rl/trainer/context_parallel.py);
+    2. activation checkpointing of every decoder block (`trainer.activation_checkpointing`);
+    3. expert parallelism: each MoE layer's experts split over `ep` (rl/trainer/expert_parallel.py);
+    4. FSDP2: the experts over the ranks that share them, then every block, then the root;
+    5. rank 0's weights sent to every rank's shards.
+
+    One process applies only what needs no mesh (activation checkpointing)."""
+    mesh = build_mesh(dims, device.type) if dims.sharded else None
+    cp = None
+    if mesh is not None and dims.cp > 1:
+        cp = ContextParallel(mesh["cp"])
+        cp.enable(model)
+    if trainer.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if mesh is None:
+        return Layout(dp_world=dims.dp)
+    whole = dict(model.state_dict()) if dist.get_rank() == 0 else {}
+    experts = apply_expert_parallel(model, mesh["ep"]) if dims.ep > 1 else []
+    apply_fsdp(model, mesh, dims, experts, cpu_offload=trainer.cpu_offload)
+    fill_from_rank0(model, whole, device, cpu_offload=trainer.cpu_offload)
+    return Layout(data_parallel_rank(mesh), dims.dp, cp)
+
+
+def rank_device(cfg: RunConfig) -> torch.device:
+    """This rank's device: `trainer.device`, where `auto` is the GPU torchrun's LOCAL_RANK
+    names when the cluster has GPUs (`cluster.gpus_per_node`) and torch sees them, else the
+    CPU."""
+    choice = str(cfg.trainer.device)
+    gpus = (cfg.cluster.gpus_per_node or 0) > 0 and torch.cuda.is_available()
+    if choice == "cpu" or (choice == "auto" and not gpus):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda: torch sees no CUDA device on this node")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

@@ -1,0 +1,186 @@
+"""Bodies of the spawned trainer ranks in tests/test_parallel.py (gloo on CPU): each builds the
+real `rl.trainer.loop.Trainer` from a run directory and drives its steps on fixed samples."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl.core.records import Sample
+from rl.trainer import loop as trainer_module
+from rl.trainer import parallel
+from rl.trainer.checkpoint import full_state_dict
+from rl.trainer.loop import Trainer
+
+
+def synthetic_samples(count: int, seed: int) -> list[Sample]:
+    """Scored samples of different lengths over the tiny model's character ids."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = torch.randint(4, 40, (3 + i % 4,), generator=gen).tolist()
+        completion = torch.randint(4, 40, (2 + (3 * i) % 7,), generator=gen).tolist()
+        logprobs = (-torch.rand(len(completion), generator=gen) * 3 - 0.5).tolist()
+        samples.append(
+            Sample.parse(
+                {
+                    "prompt_ids": [1, *prompt],
+                    "completion_ids": completion,
+                    "logprobs": logprobs,
+                    "advantage": float(torch.randn(1, generator=gen)),
+                    "reward": 0.0,
+                    "min_version": 0,
+                    "max_version": 0,
+                }
+            )
+        )
+    return samples
+
+
+def _trainer(rank: int, world: int, init_file: str, run_dir: str) -> Trainer:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return Trainer(Path(run_dir))
+
+
+@contextlib.contextmanager
+def counting_reads() -> Iterator[list[str]]:
+    """The checkpoints this process reads whole while the block runs."""
+    reads: list[str] = []
+    real = trainer_module.load_model
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    trainer_module.load_model = counted
+    try:
+        yield reads
+    finally:
+        trainer_module.load_model = real
+
+
+def _mine(samples: list[dict[str, Any]], trainer: Trainer) -> list[dict[str, Any]]:
+    """This rank's share of a batch (the ranks of a CP group get the same share)."""
+    return samples[trainer.layout.dp_rank :: trainer.layout.dp_world]
+
+
+def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).cpu()
+        for name, p in trainer.model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> None:
+    """One training step on this rank's share of 8 samples; rank 0 saves the whole batch's
+    loss, the gradient norm, the full gradients and every rank's parameter bytes."""
+    with counting_reads() as reads:
+        trainer = _trainer(rank, world, init_file, run_dir)
+    mine = _mine(synthetic_samples(8, seed=0), trainer)
+    if trainer.cfg.algorithm.kl_coef > 0:
+        # Every rank's whole reference, moved off the policy so that the KL term is not zero.
+        trainer.reference = trainer.make_reference()
+        with torch.no_grad():
+            for p in trainer.reference.parameters():
+                p.mul_(0.5)
+    kept = [0]  # elements of the tensors autograd keeps for the backward pass
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept[0] += tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        stats = trainer.train_step(mine, [list(range(len(mine)))])
+    # The trainer reports the whole batch's loss on every rank (not this rank's part).
+    loss = torch.tensor([stats["loss"]])
+    grads = full_gradients(trainer)
+    sizes = [None] * world
+    dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
+    read_counts = [None] * world
+    dist.all_gather_object(read_counts, len(reads))
+    if rank == 0:
+        saved = {"loss": loss.item(), "grad_norm": stats["grad_norm"], "grads": grads}
+        saved["device"] = trainer.device.type
+        torch.save({**saved, "bytes": sizes, "kept": kept[0], "reads": read_counts}, out)
+    dist.destroy_process_group()
+
+
+def uneven_micro_batches(rank: int, world: int, init_file: str, run_dir: str, out: str) -> None:
+    """Rank 0 takes its 4 samples in 4 micro-batches, rank 1 in one: the step completes and
+    the gradients are the same as with even ones."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    mine = _mine(synthetic_samples(8, seed=0), trainer)
+    parts = [[i] for i in range(len(mine))] if rank == 0 else [list(range(len(mine)))]
+    trainer.train_step(mine, parts)
+    grads = full_gradients(trainer)
+    if rank == 0:
+        torch.save({"grads": grads}, out)
+    dist.destroy_process_group()
+
+
+def steps(
+    rank: int, world: int, init_file: str, run_dir: str, out: str, first: int, last: int
+) -> None:
+    """Steps first..last (1-based) on fixed batches, resuming from the run's newest checkpoint
+    when first > 1 and checkpointing after step 2; rank 0 saves the full weights after each
+    step as `<out>_<step>.pt`."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    if first > 1:
+        assert trainer.resume() == first - 1
+    _train(trainer, rank, first, last, lambda step, state: torch.save(state, f"{out}_{step}.pt"))
+    dist.destroy_process_group()
+
+
+def _train(trainer: Trainer, rank: int, first: int, last: int, save: Callable) -> None:
+    """Steps first..last on fixed batches, checkpointing and publishing after step 2; rank 0
+    hands `save` each step's whole state."""
+    for step in range(first, last + 1):
+        batch = _mine(synthetic_samples(8, seed=step), trainer)
+        trainer.train_step(batch, [list(range(len(batch)))])
+        if step == 2:
+            trainer.checkpoint(step)
+            trainer.publish(step)
+        state = full_state_dict(trainer.model)
+        if rank == 0:
+            save(step, state)
+
+
+def in_sequence(
+    rank: int, world: int, jobs: list[tuple[Callable[..., None], str, str, tuple]]
+) -> None:
+    """Several of the bodies above, one after another in the same ranks: (body, init file, run
+    directory, extra arguments) each; every body sets up and tears down its own process
+    group. On CPU a spawn costs mostly imports (torch, transformers: seconds per rank), which
+    this pays once per world size instead of once per layout."""
+    for body, init_file, run_dir, args in jobs:
+        body(rank, world, init_file, run_dir, *args)
+
+
+def lora_steps(
+    rank: int, world: int, init_file: str, run_dir: str, out: str, first: int, last: int
+) -> None:
+    """A LoRA run's steps first..last on fixed batches. From step 1: the warm-up (which trains
+    the base) and version 0 published first; later: resumed from the newest checkpoint.
+    Checkpoints and publishes after step 2; rank 0 saves, after each step, the whole state
+    (base and adapter) and the names of the parameters the optimiser steps as
+    `<out>_<step>.pt`."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    if first == 1:
+        trainer.warmup()
+        trainer.publish(0)
+    else:
+        assert trainer.resume() == first - 1
+    stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    names = [name for name, p in trainer.model.named_parameters() if id(p) in stepped]
+
+    def save(step: int, state: dict) -> None:
+        torch.save({"state": state, "stepped": names}, f"{out}_{step}.pt")
+
+    _train(trainer, rank, first, last, save)
+    dist.destroy_process_group()

@@ -1,0 +1,49 @@
+"""A real embedded inference server for tests (module fixtures), and requests to it."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from omegaconf import DictConfig
+
+from rl.core.runtime import auth_headers, wait_for_address
+from tests.support.runs import TOKEN, start_role, stop_role, write_run_dir
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private RELAY_CACHE so the tiny model is built here (and inherited by servers)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("relay_cache")
+        mp.setenv("RELAY_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real `python -m rl.inference` process serving the module's `cfg` and `checkpoint`
+    fixtures; ended by its process group id."""
+    run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
+    proc = start_role("inference", run_dir, "--replica", "0")
+    try:
+        try:
+            url = wait_for_address(run_dir, "inference-0", timeout=120)
+        except TimeoutError:
+            pytest.fail((run_dir / "inference.log").read_text())
+        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+            yield SimpleNamespace(client=client, url=url, run_dir=run_dir, proc=proc)
+    finally:
+        stop_role(proc)
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status still names it.
+    assert proc.returncode in (0, -signal.SIGTERM)
+
+
+def complete(client: httpx.Client, **body: Any) -> httpx.Response:
+    """POST /v1/completions for the tiny model (or `body`'s)."""
+    return client.post("/v1/completions", json={"model": "tiny", **body})  # or body's model
