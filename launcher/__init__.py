@@ -1,0 +1,7 @@
+"""The `rl` command: plan a run from its config, then start its roles here or submit them to
+Slurm, watch them, and report how the run went. Nothing here runs inside a role.
+
+Layered, lowest first (tests/test_imports.py holds it): errors, gpus, help, report; tracking,
+sizing; vllm_args; checks; plan; run_dir, processes, slurm_cli; sweep_summary; local,
+supervisor; slurm; shared_sweep; run; cli.
+"""

@@ -340,6 +340,11 @@ class AlgorithmConfig:
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
+    adam_eps: float = bounded(1e-8, gt=0)
+    """AdamW's epsilon, for the warm-up too. Adam steps every weight by about the learning rate
+    whatever its gradient's size when that size is far above epsilon, so a gradient that is
+    zero up to rounding moves a weight by +-lr; a larger epsilon makes each step a smooth
+    function of the gradient (tests comparing layouts' weights use 1e-3)."""
     max_grad_norm: float = bounded(1.0, gt=0)
     """Gradient clipping norm."""
     prob_diff_pos: float = 0.2

@@ -68,6 +68,7 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad],
             lr=learning_rate(cfg),
             betas=tuple(cfg.algorithm.betas),
+            eps=cfg.algorithm.adam_eps,
             weight_decay=cfg.algorithm.weight_decay,
         )
         self.loss_fn = LOSSES[str(cfg.algorithm.loss)]
@@ -137,7 +138,7 @@ class Trainer:
         if adapted:  # the base trains, the adapter (B = 0, so it adds nothing) waits
             train_only(self.model, adapter=False)
         trained = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=cfg.lr)
+        optimizer = torch.optim.AdamW(trained, lr=cfg.lr, eps=self.cfg.algorithm.adam_eps)
         gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         t0 = time.monotonic()
         for step in range(cfg.steps):

@@ -9,6 +9,7 @@
   of its run, not older than the one served, readable, finite), for both backends.
 - `broadcast.py` (trainer's client), `routes.py` (the servers' routes) and `sync.py` (the
   process group and wire layout): rank 0 sends the tensors straight to every inference worker.
+- `lora.py`: a LoRA run's versions, the base in full for version 0, then the adapter alone.
 
 Nothing is imported here: vLLM's workers import `rl.weights.sync` inside vLLM's own environment,
 which has torch and nothing else of Relay's.

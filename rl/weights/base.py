@@ -1,4 +1,4 @@
-"""The weight transport's two ends, and the factories that choose one by config.
+"""The weight transport's two ends, as interfaces.
 
 The trainer and the orchestrator hold one of each (made by rl/weights/factory.py) and never
 branch on the transport:

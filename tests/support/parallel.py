@@ -31,7 +31,18 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def prepare(tmp: Path, name: str, *overrides: str) -> tuple[Path, Path]:
-    """A fresh run directory for one layout, and the init file its ranks meet at."""
-    cfg = compose_run("trainer.device=cpu", *overrides, "algorithm.max_grad_norm=1e9")
+    """A fresh run directory for one layout, and the init file its ranks meet at.
+
+    Layouts sum gradients in other orders, so their gradients agree to rounding, and weights
+    after optimiser steps agree only where a step is a smooth function of the gradient: Adam's
+    default epsilon (1e-8) turns a gradient that is zero up to rounding into a step of +-lr,
+    so these runs use 1e-3 (a step moves by at most lr / epsilon times a gradient's change).
+    Clipping is off: it would scale every gradient by the norm's rounding too."""
+    cfg = compose_run(
+        "trainer.device=cpu",
+        *overrides,
+        "algorithm.max_grad_norm=1e9",
+        "algorithm.adam_eps=1e-3",
+    )
     run_dir = write_run_dir(tmp / name, cfg, TOKEN)
     return run_dir, tmp / f"init_{name}"
