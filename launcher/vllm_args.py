@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.sizing import data_parallel, dp_per_node, shared_gpu, shared_split
-from rl.core.config import Placement, WeightTransport
+from rl.core.config import Placement
 from rl.core.derive import FILE_KV_CONNECTOR, kv_connector, max_model_len
 from rl.core.lora import enabled as lora_enabled
 from rl.core.rundir import KV_FILES
@@ -119,8 +119,8 @@ def vllm_args(
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
         if not found:
             args += ["--block-size", str(CPU_PD_BLOCK_SIZE)]
-    if cfg.inference.weight_transport == WeightTransport.broadcast:
-        args += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
+    # Relay's worker methods: weight loads (from disk, or broadcast) that leave no stale kernel
+    args += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
     if lora_enabled(model):  # adapters loaded at runtime, each request naming its own
         args += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(cfg))]
         args += ["--max-loras", str(cfg.inference.max_loras or 1)]

@@ -195,6 +195,9 @@ def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+EXTENSION = ["--worker-extension-cls", "rl.weights.sync.VllmWorkerExtension"]
+
+
 def served_args(model: str, parallel: str) -> dict[str, list[str]]:
     p = plan(compose_run(f"model={model}", f"parallel={parallel}", "cluster=slurm"))
     return {proc.name: proc.argv[proc.argv.index("--") + 1 :] for proc in p.role("inference")}
@@ -216,11 +219,12 @@ def test_exact_vllm_args_glm5() -> None:
         "--data-parallel-rpc-port", "${RELAY_HEAD_PORT}",
     ]  # fmt: skip
     secondary = [*head, "--headless", "--data-parallel-start-rank", "8"]
+    prefill, decode = ([kv % role, *EXTENSION] for role in ("kv_producer", "kv_consumer"))
     assert served_args("glm5", "ep8") == {
-        "inference-0-prefill": [*common, kv % "kv_producer", *head],
-        "inference-0-prefill-node1": [*common, kv % "kv_producer", *secondary],
-        "inference-0-decode": [*common, kv % "kv_consumer", *head],
-        "inference-0-decode-node1": [*common, kv % "kv_consumer", *secondary],
+        "inference-0-prefill": [*common, *prefill, *head],
+        "inference-0-prefill-node1": [*common, *prefill, *secondary],
+        "inference-0-decode": [*common, *decode, *head],
+        "inference-0-decode-node1": [*common, *decode, *secondary],
     }
 
 
@@ -232,7 +236,7 @@ def test_exact_vllm_args_minimax_m2() -> None:
             "--enable-expert-parallel", "--dtype", "bfloat16", "--max-model-len", "196608",
             "--gpu-memory-utilization", "0.9", "--quantization", "fp8",
             "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
-            "--reasoning-parser", "minimax_m2", "--trust-remote-code",
+            "--reasoning-parser", "minimax_m2", "--trust-remote-code", *EXTENSION,
         ]
     }  # fmt: skip
 
@@ -240,7 +244,7 @@ def test_exact_vllm_args_minimax_m2() -> None:
 def test_exact_vllm_args_qwen3_30b_a3b() -> None:
     tail = ["--dtype", "bfloat16", "--max-model-len", "32768", "--gpu-memory-utilization", "0.9",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--reasoning-parser", "qwen3"]  # fmt: skip
+            "--reasoning-parser", "qwen3", *EXTENSION]  # fmt: skip
     head = ["--model", "Qwen/Qwen3-30B-A3B", "--served-model-name", "qwen3_30b_a3b"]
     assert served_args("qwen3_30b_a3b", "ep8") == {
         "inference-0": [
@@ -258,12 +262,13 @@ def test_exact_vllm_args_qwen3_30b_a3b() -> None:
     }
 
 
-def test_broadcast_gives_vllm_relays_worker_extension() -> None:
-    for transport, wanted in (("filesystem", False), ("broadcast", True)):
+def test_vllm_gets_relays_worker_extension() -> None:
+    """Both transports load weights through Relay's worker methods (rl/weights/sync.py)."""
+    for transport in ("filesystem", "broadcast"):
         overrides = ("inference.backend=vllm", f"inference.weight_transport={transport}")
         args = plan(compose_run(*overrides)).role("inference")[0].argv
-        assert ("--worker-extension-cls" in args) == wanted
-    assert args[args.index("--worker-extension-cls") + 1] == "rl.weights.sync.VllmWorkerExtension"
+        extension = args[args.index("--worker-extension-cls") + 1]
+        assert extension == "rl.weights.sync.VllmWorkerExtension"
 
 
 def test_cpu_vllm_args_reserve_a_bounded_kv_cache() -> None:

@@ -176,11 +176,11 @@ def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path, layout: tupl
     # Each step's numbers describe the whole batch the queue assembled, not rank 0's shard.
     store = Store(RunDir(run_dir).queue_store)
     for record in (r for r in records if is_train(r)):
-        samples = [s for g in store.batch(record["step"] - 1) for s in g["samples"]]
+        samples = [s for g in store.batch(record["step"] - 1) for s in g.samples]
         assert record["samples"] == len(samples)
-        rewards = [float(s["reward"]) for s in samples]
+        rewards = [s.reward for s in samples]
         assert record["reward/mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-9)
-        staleness = [record["step"] - 1 - s["min_version"] for s in samples]
+        staleness = [record["step"] - 1 - s.min_version for s in samples]
         assert record["off_policy/staleness_max"] == max(staleness)
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from rl.core.model import ensure_checkpoint, load_tokenizer
 from rl.core.paths import ROOT
 from rl.core.rundir import RunDir, write_atomic
 from rl.core.runtime import die_with_parent, listen_socket, server_host, write_address
+from rl.inference.client import sampled
 from rl.inference.generation import Sample
 from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.weights.published import RefusedWeights, check_checkpoint, loading_from, published_dir
@@ -376,7 +378,7 @@ class VllmFrontend:
         """Pause (keeping in-flight requests), reload, drop stale prefix cache, resume."""
         t0 = time.monotonic()
         async with self._paused():
-            await self._rpc("reload_weights", weights_path=str(path))
+            await self._rpc("reload_from", weights_path=str(path))
         self.version, self.weights = version, (path, version)
         seconds = time.monotonic() - t0
         self.logger.info("loaded version %d from %s in %.3f s", version, path, seconds)
@@ -537,56 +539,59 @@ class VllmBackend:
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
         result = await self.front.complete(self.body(prompts, params), params.model)
         top = params.limits.top_logprobs
-        samples = [_sample(c, top) for c in sorted(result["choices"], key=lambda c: c["index"])]
+        choices = sorted(result["choices"], key=lambda c: c["index"])
+        samples = [_sample(*sampled(c), c.get("finish_reason"), top) for c in choices]
         versions = result["policy_version"], result["policy_version_max"]
         return Result(*versions, samples, result.get("kv_transfer_params"))
 
     async def stream(
         self, prompts: list[list[int]], params: Params
     ) -> AsyncIterator[Deltas | Result]:
-        rows = len(prompts) * params.n
-        parts: list[dict[str, Any]] = [
-            {"token_ids": [], "logprobs": {"token_logprobs": [], "top_logprobs": []}}
-            for _ in range(rows)
-        ]
+        parts = [_Part() for _ in range(len(prompts) * params.n)]
         body = self.body(prompts, params)
         async for chunk in self.front.complete_stream(body, params.model):
             if "policy_version" in chunk and "choices" not in chunk:
-                samples = [_sample(p, params.limits.top_logprobs) for p in parts]
+                top = params.limits.top_logprobs
+                samples = [_sample(p.ids, p.logprobs, p.tops, p.finish, top) for p in parts]
                 yield Result(chunk["policy_version"], chunk["policy_version_max"], samples)
                 return
             deltas = []
             for choice in chunk.get("choices", []):
-                part, new = parts[choice["index"]], choice.get("token_ids") or []
-                part["token_ids"] += new
-                got = choice.get("logprobs") or {}
-                part["logprobs"]["token_logprobs"] += got.get("token_logprobs") or []
-                part["logprobs"]["top_logprobs"] += got.get("top_logprobs") or []
-                if choice.get("finish_reason"):
-                    part["finish_reason"] = choice["finish_reason"]
-                if new:
-                    deltas.append((choice["index"], new))
+                part = parts[choice["index"]]
+                ids, logprobs, tops = sampled(choice)
+                part.ids += ids
+                part.logprobs += logprobs
+                part.tops += tops
+                part.finish = choice.get("finish_reason") or part.finish
+                if ids:
+                    deltas.append((choice["index"], ids))
             if deltas:
                 yield deltas
 
 
-def _sample(choice: dict[str, Any], top: int) -> Sample:
+@dataclass
+class _Part:
+    """One streamed choice as its chunks arrive."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[dict[str, float]] = field(default_factory=list)
+    finish: str | None = None
+
+
+def _sample(
+    ids: list[int], logprobs: list[float], tops: list[dict], finish: str | None, top: int
+) -> Sample:
     """One vLLM choice as the engine's Sample (alternatives' "token_id:N" keys read as ids)."""
-    logprobs = choice.get("logprobs") or {}
     alternatives = None
     if top:
         alternatives = [
             sorted(((int(k.split(":", 1)[1]), v) for k, v in step.items()), key=lambda a: -a[1])[
                 :top
             ]
-            for step in logprobs.get("top_logprobs") or []
+            for step in tops
         ]
-    return Sample(
-        list(choice["token_ids"]),
-        list(logprobs.get("token_logprobs") or []),
-        choice.get("finish_reason") or "length",
-        alternatives,
-    )
+    return Sample(list(ids), list(logprobs), finish or "length", alternatives)
 
 
 def build_app(

@@ -291,4 +291,31 @@ class VllmWorkerExtension:
         if receiver is None:
             raise RuntimeError("receive_weights before init_weight_group")
         reload = self.reload_weights  # type: ignore[attr-defined]  # vLLM's Worker method
-        return receiver.receive(lambda tensors: reload(weights_iterator=tensors))
+        header = receiver.receive(lambda tensors: reload(weights_iterator=tensors))
+        self.repack_held_weights()
+        return header
+
+    def reload_from(self, weights_path: str) -> None:
+        """Load a published version's directory in place (vLLM's own reload)."""
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        self.repack_held_weights()
+
+    def repack_held_weights(self) -> int:
+        """On CPU, vLLM packs each layer's weights into a oneDNN kernel when it loads them, and
+        an in-place reload repacks the layers it loads. An LM head tied to the embedding is not
+        in a checkpoint, so it is never reloaded and its kernel kept the old embedding (greedy
+        answers off after a weight update, where the CPU has oneDNN's packed path). Repack
+        every layer that still holds its weight; returns how many (none off CPU)."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0
+        repacked = 0
+        for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
+            weight = getattr(module, "weight", None)
+            held = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() > 0
+            if held and hasattr(module, "cpu_linear"):
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                repacked += 1
+        return repacked
