@@ -39,7 +39,7 @@ def measure(cfg, root: Path, repeats: int) -> dict[str, dict[str, float]]:
     proc = start_role("inference", run_dir, "--replica", "0")
     try:
         url = wait_for_address(run_dir, "inference-0", timeout=600)
-        base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+        base = ensure_checkpoint(cfg.model)
         model, tok = lora_trainer.wrap(load_model(base), cfg.model), load_tokenizer(base)
         times: dict[str, dict[str, list[float]]] = {
             kind: {"publish": [], "load": [], "mb": []} for kind in ("full", "adapter")

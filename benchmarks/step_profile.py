@@ -75,7 +75,7 @@ def run_profile(run_dir: Path) -> None:
 def micro(weights: Path | None) -> None:
     torch.set_num_threads(1)
     cfg = compose_run()
-    path = weights or ensure_checkpoint(cfg.model, seed=cfg.seed)
+    path = weights or ensure_checkpoint(cfg.model)
     model, tokenizer = load_model(path, dtype=cfg.model.dtype), load_tokenizer(path)
     env_cfg = cfg.environment
     examples = make_environment(env_cfg).train_examples()[: env_cfg.prompts_per_step]

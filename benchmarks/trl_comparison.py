@@ -66,7 +66,7 @@ RELAY = "relay"
 def warm_up(cfg: DictConfig, target: Path) -> Path:
     """Relay's supervised warm-up (rl/trainer/loop.py `Trainer.warmup`, one process), saved to
     target in HF layout: the weights both systems start RL from."""
-    base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    base = ensure_checkpoint(cfg.model)
     model, tokenizer = load_model(base, dtype=cfg.model.dtype), load_tokenizer(base)
     examples = make_environment(cfg.environment).train_examples()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup.lr)

@@ -60,7 +60,7 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
     proc = start_role("inference", run_dir, "--replica", "0", *extra)
     try:
         url = wait_for_address(run_dir, "inference-0", timeout=900)
-        base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+        base = ensure_checkpoint(cfg.model)
         model, tok = load_model(base), load_tokenizer(base)
         publish, load, copy, broadcast = [], [], [], []
         sender = InferenceBroadcaster(run_dir, cfg, logging.getLogger("bench"))

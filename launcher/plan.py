@@ -35,7 +35,13 @@ from launcher.sizing import (
 )
 from launcher.vllm_args import PD_INSTANCES, spanning_args, vllm_args
 from rl.core.config import ROLE_MODULES, Backend, ClusterKind, Placement
-from rl.core.derive import broadcast_backend, inference_backend, learning_rate, max_model_len
+from rl.core.derive import (
+    broadcast_backend,
+    inexact,
+    inference_backend,
+    learning_rate,
+    max_model_len,
+)
 
 RUN_ARGS = ["--run-dir", "${RELAY_RUN_DIR}"]
 """Every role's arguments: its run directory, which each process's environment names."""
@@ -143,6 +149,8 @@ class RunPlan:
     broadcast_backend: str
     batch_size: int
     notes: list[str]
+    inexact: list[str] = field(default_factory=list)
+    """What makes the run depend on more than its config, seed and layout (rl/core/derive.py)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -185,6 +193,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         broadcast_backend=broadcast_backend(cfg).value,
         batch_size=env.prompts_per_step * env.group_size,
         notes=notes,
+        inexact=inexact(cfg),
     )
 
 
@@ -412,7 +421,8 @@ def plan_header(p: RunPlan, cfg: DictConfig) -> str:
         f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
         f"lr {p.lr:g}, inference backend {p.backend} {inference}, "
         f"async_level {cfg.algorithm.async_level}, placement {cfg.placement}, warm-up "
-        f"{cfg.warmup.steps} steps"
+        f"{cfg.warmup.steps} steps, seed {cfg.seed}, "
+        + ("reproducible" if not p.inexact else f"not reproducible ({'; '.join(p.inexact)})")
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rl.core.config import RunConfig
+from rl.core.derive import inexact
 from rl.core.records import is_eval, is_train, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
@@ -84,15 +85,21 @@ def read_summary(run: RunDir) -> dict[str, Any]:
 
 
 def summarize(
-    run: RunDir, records: list[dict], wall_s: float, status: str, wandb: str
+    cfg: Any, run: RunDir, records: list[dict], wall_s: float, status: str, wandb: str
 ) -> dict[str, Any]:
-    """What summary.json says of a run: how it ended, what it was started with, how far it
-    got, its last rewards and its mean pace (a sweep's table compares these)."""
+    """What summary.json says of a run: how it ended, what it was started with (its overrides
+    and seeds, and whether the config alone decides it), how far it got, its last rewards and
+    its mean pace (a sweep's table compares these)."""
     train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
+    reasons = inexact(cfg)
     summary: dict[str, Any] = {
         "status": status,
         "overrides": run.overrides(),
+        "seed": cfg.seed,
+        "base_seeds": {"model": cfg.model.seed, "warmup": cfg.warmup.seed},
+        "reproducible": not reasons,
+        "inexact": reasons,
         "steps": train[-1]["step"] if train else 0,
         "wall_s": round(wall_s, 1),
         "wandb": wandb,
@@ -139,7 +146,9 @@ def finish_run(
     records = read_records(run.metrics)
     if records:
         plot(records, run.reward_plot, f"{cfg.name}: {run.root}")
-    write_atomic(run.summary, json.dumps(summarize(run, records, wall_s, status, wandb), indent=2))
+    write_atomic(
+        run.summary, json.dumps(summarize(cfg, run, records, wall_s, status, wandb), indent=2)
+    )
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
     if evals and status == "finished":
         print(

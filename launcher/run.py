@@ -67,7 +67,7 @@ def launch(cfg: DictConfig) -> None:
     # Build or convert the model once here, not concurrently in every role (SmolLM2's GGUF
     # conversion takes about a minute); later calls find it in the cache.
     if not cfg.model.path:
-        print(f"model: {ensure_checkpoint(cfg.model, seed=cfg.seed)}", flush=True)
+        print(f"model: {ensure_checkpoint(cfg.model)}", flush=True)
     run_local(cfg, run_plan)
 
 

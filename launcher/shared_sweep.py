@@ -335,7 +335,7 @@ def run_shared(sweep_dir: Path) -> int:
             if first.warmup.steps > 0:
                 base = warm_up_once(first, sweep_dir, token)
             else:  # built (or converted) once, with the first point's seed, for every point
-                base = ensure_checkpoint(first.model, seed=first.seed)
+                base = ensure_checkpoint(first.model)
         except (KeyboardInterrupt, RunFailed) as err:
             forget_points(points)  # nothing of theirs has started
             if isinstance(err, KeyboardInterrupt):
@@ -353,7 +353,7 @@ def submit_shared(points: list[Point], sweep_dir: Path, token: str, first: DictC
     from launcher.slurm import preflight, submit_together
 
     base = Path(first.model.path) if first.model.path else None
-    units = prepare(points, sweep_dir, token, base or ensure_checkpoint(first.model, first.seed))
+    units = prepare(points, sweep_dir, token, base or ensure_checkpoint(first.model))
     try:
         partition = preflight(units[0].cfg, units[0].plan)
         for unit in units[1:]:

@@ -9,6 +9,7 @@ import logging
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from rl.core.records import Completion, Episode
 from rl.core.rundir import RunDir
@@ -49,7 +50,7 @@ def orchestrator(tmp_path: Path, rounds: list[list[int]], every: int) -> Orchest
     orch.push = lambda groups, step: orch.pushed.append(groups)  # type: ignore[attr-defined]
     orch.save_rollouts = lambda *args: None  # type: ignore[method-assign]
 
-    def rollouts(examples: list[Example], n: int, temperature: float) -> list[Episode]:
+    def rollouts(examples: list[Example], n: int, temperature: float, *where: Any) -> list[Episode]:
         rounds[-1].append(len(examples))
         return [
             choice(e.answer if flat(e, every) or k == 0 else "zz")

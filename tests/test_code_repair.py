@@ -202,7 +202,9 @@ class ScriptedClient:
         self.policy = policy
         self.turns = [0] * len(examples)
 
-    def complete_all(self, prompts: list[list[int]], n: int, max_tokens: int, t: float) -> Any:
+    def complete_all(
+        self, prompts: list[list[int]], n: int, max_tokens: int, t: float, seeds: Any = None
+    ) -> Any:
         return [self.answer(prompt) for prompt in prompts]
 
     def answer(self, prompt: list[int]) -> Completion:

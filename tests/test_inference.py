@@ -55,7 +55,7 @@ def cfg(cache: Path) -> DictConfig:
 
 @pytest.fixture(scope="module")
 def checkpoint(cfg: DictConfig) -> Path:
-    return ensure_checkpoint(cfg.model, seed=cfg.seed)
+    return ensure_checkpoint(cfg.model)
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ def test_waiting_for_weights_that_never_come_ends_naming_them(
         (run_dir.weights / "BROADCAST").write_text("3")
         waiter = BroadcastRecordWaiter(tmp_path, timeout_s=0.3)
     else:
-        waiter = FilesystemWaiter(tmp_path, None, logging.getLogger("test"), timeout_s=0.3)
+        waiter = FilesystemWaiter(tmp_path, None, logging.getLogger("test"), 0.3, exact=True)
     with pytest.raises(TimeoutError, match=r"timeouts.weights_s\) for policy version 4 in"):
         waiter.wait(minimum=4, held=3)
     if transport == "broadcast":  # what has come is returned at once

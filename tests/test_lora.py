@@ -215,7 +215,7 @@ def served(
     version 1 (an adapter): it must come up serving version 1."""
     cfg = compose_run(*SERVED)
     run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
-    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
     first, second = adapted(cfg, seed=1), adapted(cfg, seed=2)
     layout = RunDir(run_dir)
     layout.weights.mkdir(parents=True)
@@ -352,13 +352,13 @@ def test_a_lora_run_moves_only_adapters_to_inference(
 def test_the_engine_applies_adapters_on_the_gpu(tmp_path: Path, cache: Path) -> None:  # noqa: F811
     """The engine on CUDA, version 0 then an adapter from disk: what PEFT's model decodes."""
     cfg = compose_run(*SERVED, "cluster.gpus_per_node=1")
-    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
     model = adapted(cfg, seed=1)
     layout = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
     layout.weights.mkdir(parents=True)
     for version in (0, 1):
         lora_weights.publish(version, model, tokenizer, None, layout)
-    served = load_model(ensure_checkpoint(cfg.model, seed=cfg.seed), device="cuda").eval()
+    served = load_model(ensure_checkpoint(cfg.model), device="cuda").eval()
     engine = Engine(served, tokenizer, cfg, logging.getLogger("test.lora"))
     engine.start()
     try:
@@ -397,12 +397,12 @@ def test_one_batch_mixes_adapters_row_by_row(tmp_path: Path, cache: Path) -> Non
     """Jobs for two adapters and the base queued together are decoded as one batch, each row
     with its own adapter, rows with the same prompt too: each job gets what its model decodes."""
     cfg = compose_run(*SERVED)
-    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
     models = {"tiny": adapted(cfg, seed=1), "other": adapted(cfg, seed=2)}
     layout = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
     layout.weights.mkdir(parents=True)
     lora_weights.publish(0, models["tiny"], tokenizer, None, layout)
-    served = load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)).eval()
+    served = load_model(ensure_checkpoint(cfg.model)).eval()
     engine = Engine(served, tokenizer, cfg, logging.getLogger("test.lora"))
     prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
     for version, name in ((1, "tiny"), (2, "other")):

@@ -70,7 +70,7 @@ def test_wrong_token_is_an_authentication_error(server: str) -> None:
 def tiny(cfg: DictConfig) -> tuple[Any, Any]:
     from rl.core.model import load_tokenizer
 
-    path = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    path = ensure_checkpoint(cfg.model)
     return load_model(path, dtype=cfg.model.dtype).eval(), load_tokenizer(path)
 
 

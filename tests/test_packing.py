@@ -28,7 +28,7 @@ def test_packed_forward_matches_unpacked_rows(model_option: str) -> None:
     # float32 as the presets train it (and one conversion shared with them); the masked and
     # the causal attention kernels sum in another order, hence a float32-rounding tolerance.
     cfg = compose_run(f"model={model_option}", "model.dtype=float32")
-    model = load_model(ensure_checkpoint(cfg.model, seed=0)).eval()
+    model = load_model(ensure_checkpoint(cfg.model)).eval()
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(4, 40, (n,), generator=gen).tolist() for n in (9, 3, 12, 5, 4, 1)]
     ids, attention, _ = pad_batch(sequences, [1] * len(sequences), pad_id=0)
@@ -42,7 +42,7 @@ def test_packed_forward_matches_unpacked_rows(model_option: str) -> None:
 
 
 def test_gradients_flow_through_packed_rows() -> None:
-    model = load_model(ensure_checkpoint(compose_run().model, seed=0))
+    model = load_model(ensure_checkpoint(compose_run().model))
     logp, _ = packed_logprobs(model, [[1, 5, 6, 7], [1, 8, 9]])
     logp.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
@@ -65,7 +65,7 @@ def test_shared_prompts_give_each_sample_what_it_gets_alone() -> None:
     weights = torch.randn(ids.shape, generator=gen)
 
     def run(shared: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]:
-        model = load_model(ensure_checkpoint(cfg.model, seed=0))
+        model = load_model(ensure_checkpoint(cfg.model))
         computed = []
         embed = model.get_input_embeddings()
         embed.register_forward_hook(lambda m, i, o: computed.append(i[0].numel()))

@@ -186,7 +186,7 @@ def shared_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleN
     """An embedded inference role as a sweep's shared service (`<sweep>/inference`)."""
     cfg = compose_run("model.lora.rank=8", "inference.shared=true", "inference.max_loras=2")
     run_dir = write_run_dir(tmp_path_factory.mktemp("sweep") / SERVICE, cfg, TOKEN)
-    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
     proc = start_role("inference", run_dir, "--replica", "0")
     try:
         url = wait_for_address(run_dir, "inference-0", timeout=120)

@@ -219,7 +219,7 @@ def test_broadcast_update_matches_embedded_engine(
     """Runs after the restart test: vLLM is a fresh process, so a new group forms. A request in
     flight during the swap completes, across the two versions."""
     sender = InferenceBroadcaster(server.run_dir, cfg, logging.getLogger("test"))
-    sender.publish(3, load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)))
+    sender.publish(3, load_model(ensure_checkpoint(cfg.model)))
     before = greedy(server)
     model = load_model(trained.path)
     body = in_flight_during(server, lambda: sender.publish(4, model))

@@ -33,7 +33,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
 def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     with vllm_server(cfg, tmp_path_factory.mktemp("run")) as running:
         running.cfg = cfg
-        running.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+        running.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
         running.first, running.second = adapted(cfg, seed=1), adapted(cfg, seed=2)
         RunDir(running.run_dir).weights.mkdir(parents=True, exist_ok=True)
         yield running
@@ -96,7 +96,7 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNa
     with vllm_config(tmp_path_factory, *overrides) as cfg:
         service = tmp_path_factory.mktemp("sweep") / SERVICE
         with vllm_server(cfg, service) as running:
-            running.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+            running.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
             running.first, running.second = adapted(cfg, seed=1), adapted(cfg, seed=2)
             yield running
 

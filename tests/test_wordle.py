@@ -82,7 +82,14 @@ class ScriptedClient:
     def __init__(self, tokenizer: Any, guesses: list[str]) -> None:
         self.tokenizer, self.guesses, self.calls = tokenizer, guesses, []
 
-    def complete_all(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float):
+    def complete_all(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seeds: Any = None,
+    ):
         self.calls.append(prompts)
         text = self.guesses[len(self.calls) - 1]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -97,7 +104,7 @@ def test_masks_cover_exactly_the_models_tokens(env: Any) -> None:
     """Only the model's guesses (and their EOS) carry loss: every feedback token is masked,
     after the episode has gone through scoring, the wire format and the trainer's batching."""
     cfg = compose_run("environment=wordle")
-    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+    tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
     example = Example(env.prompt(), "cigar")
     client = ScriptedClient(tokenizer, [" crane", " xyzzy", " cigar"])
     (choice,) = run_episodes(client, env, tokenizer, [example], 1, 8, 1.0, 512)

@@ -134,7 +134,7 @@ def _fingerprint(model_cfg: ModelConfig, source_id: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def ensure_checkpoint(model_cfg: ModelConfig, seed: int = 0) -> Path:
+def ensure_checkpoint(model_cfg: ModelConfig) -> Path:
     """The model's checkpoint directory: built (random), converted (gguf_package) or `path`.
 
     Built and converted checkpoints are cached under `cache_dir()/models` by a fingerprint and
@@ -144,8 +144,8 @@ def ensure_checkpoint(model_cfg: ModelConfig, seed: int = 0) -> Path:
         return Path(model_cfg.path)
     source = str(model_cfg.source)
     if source == "random":
-        build = partial(_build_random, model_cfg, seed)
-        source_id = CHARS
+        build = partial(_build_random, model_cfg, model_cfg.seed)
+        source_id = f"{CHARS}:seed={model_cfg.seed}"
     elif source == "gguf_package":
         gguf = packaged_gguf(model_cfg)
         build = partial(_convert_gguf, model_cfg, gguf)

@@ -54,6 +54,10 @@ def is_eval(record: dict[str, Any]) -> bool:
     return record.get("kind") == RecordKind.eval
 
 
+def is_rollout(record: dict[str, Any]) -> bool:
+    return record.get("kind") == RecordKind.rollout
+
+
 def kind_of(record: dict[str, Any]) -> str:
     return str(record.get("kind", ""))
 
@@ -455,6 +459,9 @@ class RolloutRecord:
     surplus_groups: int = 0
     """Groups with signal drawn beyond the batch (the first round draws for the groups it
     expects to drop) and not trained on."""
+    first_round_signal: float | None = None
+    """Share of the first round's groups that had signal (with the zero-advantage filter): how
+    much the next batches draw; a restarted orchestrator reads it back."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -469,6 +476,11 @@ class RolloutRecord:
             "response/truncated": self.truncated / max(len(self.lengths), 1),
             "samples/generated": self.generated,
             "filter/surplus_groups": self.surplus_groups,
+            **(
+                {"filter/first_round_signal": self.first_round_signal}
+                if self.first_round_signal is not None
+                else {}
+            ),
         }
 
 

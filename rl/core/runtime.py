@@ -217,3 +217,14 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     return sock
+
+
+def deterministic_cuda() -> None:
+    """On CUDA, torch's deterministic algorithms (cuBLAS with a fixed workspace): the same
+    inputs give the same results, run after run. Kernels without a deterministic version warn
+    (they are named in the role's log) rather than stop the run. Call before CUDA is used."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False

@@ -22,7 +22,8 @@ from rl.core.records import Completion
 from rl.core.rundir import RunDir
 from rl.core.runtime import Peer, auth_headers, read_address
 
-CHUNKS_PER_REPLICA = 4  # concurrent requests per server: the server merges them into one batch
+PROMPT_SEEDS = "seeds"
+"""Relay's extension of the completions request: a seed per prompt."""
 
 
 def sampled(choice: dict[str, Any]) -> tuple[list[int], list[float], list[dict[str, float]]]:
@@ -79,6 +80,7 @@ class InferenceClient:
         timeouts: TimeoutsConfig | None = None,
         adapter: str = "",
         service: Path | None = None,
+        exact: bool = False,
     ) -> None:
         self.run_dir, self.adapter = run_dir, adapter
         self.model = adapter or model
@@ -92,6 +94,7 @@ class InferenceClient:
         self.locks = [threading.Lock() for _ in names]
         self.log = logging.getLogger("orchestrator")
         self.asleep = False  # colocated on GPU: put to sleep while the trainer runs
+        self.exact = exact  # every answer must come from `version` (the fixed schedule)
 
     def sleep(self) -> None:
         """Free the servers' GPU memory for the trainer (weights offloaded, caches dropped);
@@ -130,11 +133,11 @@ class InferenceClient:
                     f"{server.url}/admin/version", params={"model": self.adapter}, timeout=5.0
                 )
                 held.raise_for_status()
-                if held.json()["policy_version"] < self.version or self.stale[i]:
-                    newest = RunDir(self.run_dir).newest_version()
-                    path = RunDir(self.run_dir).weights_for(newest)
-                    self._post(i, "/admin/load_weights", self._load_body(path, newest))
-                    self.log.info("%s is back: loaded version %d into it", server.name, newest)
+                if held.json()["policy_version"] != self.version or self.stale[i]:
+                    wanted = self.version if self.exact else RunDir(self.run_dir).newest_version()
+                    path = RunDir(self.run_dir).weights_for(wanted)
+                    self._post(i, "/admin/load_weights", self._load_body(path, wanted))
+                    self.log.info("%s is back: loaded version %d into it", server.name, wanted)
                 self.stale[i] = False
                 return True
             except httpx.TransportError:
@@ -171,9 +174,11 @@ class InferenceClient:
         max_tokens: int,
         temperature: float,
         stop: list[str] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         """`n` completions per prompt (texts or token-id lists), prompt-major, from server i
-        (or another while it is down)."""
+        (or another while it is down); `seeds`, one per prompt, make each prompt's samples a
+        function of its seed."""
         body = {
             "model": self.model,
             "prompt": prompts,
@@ -184,20 +189,51 @@ class InferenceClient:
         }
         if stop:
             body["stop"] = stop
-        return completions(self.call(i, "/v1/completions", body))
+        if seeds is not None:
+            body[PROMPT_SEEDS] = seeds
+        for _ in range(len(self.servers) + 1):
+            done = completions(self.call(i, "/v1/completions", body))
+            if not self.exact or self.version < 0 or self._on_version(done):
+                return done
+            self.log.warning(
+                "%s answered with version %d, not %d: loading it again",
+                self.servers[i].name, done[0].min_version, self.version,
+            )  # fmt: skip
+            self.stale[i] = True
+            self._revive(i)
+        raise RuntimeError(
+            f"{self.servers[i].name} kept answering with another version than {self.version}"
+        )
+
+    def _on_version(self, done: list[Completion]) -> bool:
+        """Whether every completion was sampled by the version the servers should hold."""
+        return all(c.min_version == c.max_version == self.version for c in done)
 
     def complete_all(
-        self, prompts: list[Any], n: int, max_tokens: int, temperature: float
+        self,
+        prompts: list[Any],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
-        """Completions for every prompt (texts or token-id lists; prompt-major), spread as
-        concurrent requests over the servers."""
-        chunks = max(1, len(self.servers) * CHUNKS_PER_REPLICA)
-        size = max(1, -(-len(prompts) // chunks))
-        parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        """Completions for every prompt (texts or token-id lists; prompt-major): one request
+        per server, each a contiguous part of the prompts, which the server decodes as one
+        batch (so a batch holds the same prompts in every run)."""
+        parts = split(len(prompts), len(self.servers))
         with ThreadPoolExecutor(len(parts)) as pool:
             futures = [
-                pool.submit(self.complete, i % len(self.servers), part, n, max_tokens, temperature)
-                for i, part in enumerate(parts)
+                pool.submit(
+                    self.complete,
+                    i,
+                    prompts[lo:hi],
+                    n,
+                    max_tokens,
+                    temperature,
+                    None,
+                    seeds[lo:hi] if seeds is not None else None,
+                )  # fmt: skip
+                for i, (lo, hi) in enumerate(parts)
             ]
             return [c for f in futures for c in f.result()]
 
@@ -224,3 +260,15 @@ class InferenceClient:
         if self.adapter:
             body["adapter"] = self.adapter
         return body
+
+
+def split(count: int, parts: int) -> list[tuple[int, int]]:
+    """`count` items as at most `parts` contiguous (begin, end) ranges, as even as they go."""
+    parts = max(1, min(parts, count))
+    size, extra = divmod(count, parts)
+    bounds, at = [], 0
+    for k in range(parts):
+        end = at + size + (k < extra)
+        bounds.append((at, end))
+        at = end
+    return bounds

@@ -75,6 +75,8 @@ class CompletionJob:
     sink: Callable[[Deltas], None] | None = None
     adapter: str = ""
     """The LoRA adapter's name ("": the run's own policy)."""
+    seeds: tuple[int, ...] | None = None
+    """A seed per prompt: each prompt's rows draw from a generator of their own."""
     future: Future = field(default_factory=Future)
 
     @property
@@ -243,14 +245,9 @@ class Engine:
         start = time.perf_counter()
         source = job.path or "the trainer's broadcast"
         name = job.adapter or self.model_name
-        held = self.held(name)
         try:
             if job.receiver is not None:
                 self._receive(job.receiver, job.version)
-            elif job.version < held:  # decided here, where loads run one at a time
-                self.logger.info("kept version %d: asked for older %d", held, job.version)
-                job.future.set_result({"policy_version": held, "load_s": 0.0})
-                return
             else:
                 self._load_dir(job.path, job.version, name)
         except Exception as exc:  # reported to the caller; the old weights stay in place
@@ -312,7 +309,9 @@ class Engine:
             gen = self.generator
             if job.seed is not None:
                 gen = torch.Generator(device=self.model.device).manual_seed(job.seed)
-            for prompt in job.prompts_ids:
+            for i, prompt in enumerate(job.prompts_ids):
+                if job.seeds is not None:  # this prompt's rows: a generator of their own
+                    gen = torch.Generator(device=self.model.device).manual_seed(job.seeds[i])
                 prompts += [prompt] * job.n
                 caps += [job.max_tokens] * job.n
                 temps += [job.temperature] * job.n

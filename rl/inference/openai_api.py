@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Annotated, Any, ClassVar, Protocol
 
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +59,8 @@ class Params:
     kv_transfer: dict[str, Any] | None = None
     """vLLM's `kv_transfer_params`: a prefill/decode replica's KV hand-over
     (rl/inference/router.py)."""
+    seeds: tuple[int, ...] | None = None
+    """A seed per prompt (Relay's extension), instead of `seed`."""
 
 
 @dataclass
@@ -146,6 +148,9 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     """Seeds the request's own generator; torch takes seeds below 2**63."""
+    seeds: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = None
+    """Relay's extension: a seed per prompt, so that each prompt's samples are a function of
+    its seed alone, whatever the request holds beside it (`seed` then does nothing)."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -251,10 +256,14 @@ def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
     return [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompt]
 
 
-def check_prompts(ids: list[list[int]], n: int, max_tokens: int, backend: Backend) -> None:
+def check_prompts(
+    ids: list[list[int]], n: int, max_tokens: int, backend: Backend, seeds: Any = None
+) -> None:
     """Refuse (400) what cannot be served, before anything is queued."""
     if not ids:
         raise APIError(400, "prompt is an empty list; send a string or a non-empty list", "prompt")
+    if seeds is not None and len(seeds) != len(ids):
+        raise APIError(400, f"seeds: {len(seeds)} seeds for {len(ids)} prompts", "seeds")
     if backend.max_rows is not None and len(ids) * n > backend.max_rows:
         raise APIError(
             400,
@@ -363,6 +372,7 @@ class Endpoint:
     def params(self, max_tokens: int, top_logprobs: int) -> Params:
         limits = Limits(self.body.top_p, self.stop, top_logprobs)
         body = self.body
+        seeds = getattr(body, "seeds", None)
         return Params(
             body.n,
             max_tokens,
@@ -371,6 +381,7 @@ class Endpoint:
             limits,
             body.model or "",
             body.kv_transfer_params,
+            tuple(seeds) if seeds is not None else None,
         )
 
     def choice(self, index: int, prompt: list[int], sample: Sample) -> dict[str, Any]:
@@ -597,7 +608,7 @@ def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> N
 
     async def answer(endpoint: Endpoint, ids: list[list[int]], max_tokens: int, top: int) -> Any:
         body = endpoint.body
-        check_prompts(ids, body.n, max_tokens, backend)
+        check_prompts(ids, body.n, max_tokens, backend, getattr(body, "seeds", None))
         params = endpoint.params(max_tokens, top)
         if body.stream:
             return StreamingResponse(endpoint.events(ids, params), media_type="text/event-stream")

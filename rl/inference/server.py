@@ -24,7 +24,13 @@ from rl.core.derive import max_model_len
 from rl.core.lora import ADAPTER_NAME, is_adapter_dir
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.core.rundir import RunDir, point_dirs, point_name
-from rl.core.runtime import listen_socket, run_token, server_host, write_address
+from rl.core.runtime import (
+    deterministic_cuda,
+    listen_socket,
+    run_token,
+    server_host,
+    write_address,
+)
 from rl.inference.engine import CompletionJob, Engine, EngineStopped, LoadJob, MemoryJob
 from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.weights.published import loading_from, published_dir
@@ -48,7 +54,7 @@ class EngineBackend:
     def _job(self, prompts: list[list[int]], params: Params, sink: Any = None) -> CompletionJob:
         return CompletionJob(
             prompts, params.n, params.max_tokens, params.temperature, params.seed,
-            params.limits, sink, params.model,
+            params.limits, sink, params.model, params.seeds,
         )  # fmt: skip
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
@@ -246,8 +252,10 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keeps the role's log one line per event
-    path = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    path = ensure_checkpoint(cfg.model)
     device = "cuda" if (cfg.cluster.gpus_per_node or 0) > 0 and torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        deterministic_cuda()
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
     engine = Engine(model, load_tokenizer(path), cfg, logger)
     # A restarted server: back on the newest policy (or each sweep point's) before it answers.

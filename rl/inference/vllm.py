@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -323,8 +323,7 @@ class VllmFrontend:
 
     async def load_weights(self, path: Path, version: int, name: str = "") -> dict[str, Any]:
         """Load published `path` as `version` once it is checked (every tensor readable and
-        finite): vLLM reloads in place, so a refusal must come before it starts. An older
-        version than the served one changes nothing (versions only grow). A LoRA adapter is
+        finite): vLLM reloads in place, so a refusal must come before it starts. A LoRA adapter is
         loaded into vLLM at runtime under `name` ("": the run's policy), replacing the one
         there; full weights replace the base (and the policy serves the base until its next
         adapter)."""
@@ -342,8 +341,6 @@ class VllmFrontend:
     async def _load_weights(self, path: Path, version: int, name: str) -> dict[str, Any]:
         await self.ready.wait()  # a restart holds the lock until vLLM is back
         async with self.swap:
-            if version < self.held(name):
-                return {"policy_version": self.held(name), "load_s": 0.0}
             await asyncio.to_thread(check_checkpoint, path)
             if is_adapter_dir(path):
                 return await self._load_adapter(path, version, name)
@@ -537,6 +534,17 @@ class VllmBackend:
         }
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
+        if params.seeds is not None and len(prompts) > 1:  # vLLM seeds a request: one each
+            parts = await asyncio.gather(
+                *(
+                    self.generate([prompt], replace(params, seed=seed, seeds=None))
+                    for prompt, seed in zip(prompts, params.seeds, strict=True)
+                )
+            )
+            low, high = min(p.version for p in parts), max(p.version_max for p in parts)
+            return Result(low, high, [s for part in parts for s in part.samples])
+        if params.seeds is not None:
+            params = replace(params, seed=params.seeds[0], seeds=None)
         result = await self.front.complete(self.body(prompts, params), params.model)
         top = params.limits.top_logprobs
         choices = sorted(result["choices"], key=lambda c: c["index"])
@@ -547,6 +555,10 @@ class VllmBackend:
     async def stream(
         self, prompts: list[list[int]], params: Params
     ) -> AsyncIterator[Deltas | Result]:
+        if params.seeds is not None and len(prompts) > 1:
+            raise APIError(400, "seeds: a streamed request takes one prompt", "seeds")
+        if params.seeds is not None:
+            params = replace(params, seed=params.seeds[0], seeds=None)
         parts = [_Part() for _ in range(len(prompts) * params.n)]
         body = self.body(prompts, params)
         async for chunk in self.front.complete_stream(body, params.model):
@@ -649,7 +661,7 @@ def build_app(
 
 def _served_args(cfg: RunConfig, vllm_args: list[str]) -> tuple[Path, list[str]]:
     """The model's checkpoint here, and the plan's vLLM arguments serving it."""
-    checkpoint = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    checkpoint = ensure_checkpoint(cfg.model)
     args = list(vllm_args)
     if cfg.model.source == "random" and "--model" in args:
         args[args.index("--model") + 1] = str(checkpoint)  # the locally built model

@@ -13,6 +13,7 @@ from typing import Any
 
 from rl.core.model import encode_prompt
 from rl.core.records import Episode
+from rl.core.seeds import derived
 from rl.envs import Environment, Example
 from rl.orchestrator.scoring import env_map
 
@@ -26,12 +27,14 @@ def run_episodes(
     max_tokens: int,
     temperature: float,
     max_len: int,
+    seeds: list[int] | None = None,
 ) -> list[Episode]:
     """`n` multi-turn episodes per example (example-major) through `client` (an
     rl/inference/client.py InferenceClient). An episode ends when the environment says so,
     after `env.max_turns` model turns, when the context would overflow, or past the
     environment's `max_episode_tokens`. Chat environments (`env.chat`) reply after an
-    end-of-turn token: a turn cut at `max_tokens` gets one, masked like the reply."""
+    end-of-turn token: a turn cut at `max_tokens` gets one, masked like the reply. `seeds`,
+    one per example, seed each episode's turns (`derived(seed, sample, turn)`)."""
     episodes = [
         Episode(opening(env, tokenizer, e), multi_turn=True) for e in examples for _ in range(n)
     ]
@@ -43,8 +46,11 @@ def run_episodes(
         if not open_:
             break
         prompts = [episodes[k].prompt_ids + episodes[k].completion_ids for k in open_]
-        for k, completion in zip(open_, client.complete_all(prompts, 1, max_tokens, temperature),
-                                 strict=True):  # fmt: skip
+        turn_seeds = None
+        if seeds is not None:  # episode k is sample k % n of example k // n
+            turn_seeds = [derived(seeds[k // n], k % n, turn) for k in open_]
+        answers = client.complete_all(prompts, 1, max_tokens, temperature, turn_seeds)
+        for k, completion in zip(open_, answers, strict=True):
             episodes[k].add_model_turn(completion)
         replies: list[str | None] = [None] * len(open_)
         if turn < env.max_turns - 1:

@@ -23,10 +23,10 @@ import httpx
 
 from rl.core import wire
 from rl.core.config import Placement
-from rl.core.derive import max_model_len
+from rl.core.derive import exact_schedule, generating_version, max_model_len
 from rl.core.model import ensure_checkpoint, load_tokenizer
-from rl.core.records import Episode, EvalRecord, Group, is_eval
-from rl.core.rundir import RunDir, point_name, shared_service
+from rl.core.records import Episode, EvalRecord, Group, is_eval, is_rollout
+from rl.core.rundir import RunDir, drop_records, point_name, shared_service
 from rl.core.runtime import (
     Peer,
     auth_headers,
@@ -35,6 +35,7 @@ from rl.core.runtime import (
     run_token,
     setup_logging,
 )
+from rl.core.seeds import prompt_seeds
 from rl.envs import Environment, Example, make_environment
 from rl.inference.client import InferenceClient
 from rl.orchestrator.advantages import ADVANTAGES
@@ -62,6 +63,8 @@ class Fill:
     generated: int = 0
     """Episodes generated in all rounds."""
     versions: set[int] = field(default_factory=set)
+    first_round_signal: float | None = None
+    """Share of the first round's groups with signal (with the zero-advantage filter)."""
 
 
 def last_eval(run_dir: RunDir) -> int:
@@ -88,6 +91,7 @@ class Orchestrator:
             cfg.timeouts,
             adapter=point_name(Path(run_dir)) if shared else "",
             service=shared_service(Path(run_dir)) if shared else None,
+            exact=exact_schedule(cfg),
         )
         self.http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
         self.version = -1
@@ -99,29 +103,34 @@ class Orchestrator:
         self.advantage = ADVANTAGES[str(cfg.algorithm.advantage)]
         self.tokenizer = None
         if self.env.max_turns > 1:  # multi-turn rollouts send token ids
-            self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, cfg.seed))
+            self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
             self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
         self.max_len = max_model_len(cfg)
         self.signal_share: float | None = None  # share of first-round groups with signal
 
-    def rollouts(self, examples: list[Example], n: int, temperature: float) -> list[Episode | None]:
+    def rollouts(
+        self, examples: list[Example], n: int, temperature: float, *where: int | str
+    ) -> list[Episode | None]:
         """`n` episodes per example (example-major), single- or multi-turn, or played by the
-        environment itself (None: an episode without a model turn)."""
+        environment itself (None: an episode without a model turn). Each example's samples
+        are seeded from the run's seed, `where` (e.g. "train", step, round) and its place."""
         max_tokens = self.cfg.environment.max_tokens
         own = self.env.rollouts(self.inference, examples, n, temperature, self.max_len)
         if own is not None:
             return own
+        seeds = prompt_seeds(self.cfg.seed, len(examples), *where)
         if self.tokenizer is None:
             prompts = [e.prompt for e in examples]
-            done = self.inference.complete_all(prompts, n, max_tokens, temperature)
+            done = self.inference.complete_all(prompts, n, max_tokens, temperature, seeds)
             return [Episode.of(c) for c in done]
         return run_episodes(
             self.inference, self.env, self.tokenizer, examples, n, max_tokens, temperature,
-            self.max_len,
+            self.max_len, seeds,
         )  # fmt: skip
 
     def wait_for_version(self, minimum: int) -> None:
-        """Block until inference holds weights >= minimum (rl/weights/: loaded from
+        """Block until inference holds version `minimum` (the fixed schedule; with
+        `schedule: newest` the newest, at least `minimum`; rl/weights/: loaded from
         `weights/step_N` by the orchestrator, or broadcast by the trainer), then evaluate when
         an eval is due."""
         self.version = self.weights.wait(minimum, self.version)
@@ -132,7 +141,7 @@ class Orchestrator:
     def evaluate(self) -> None:
         examples = self.env.eval_examples()
         t0 = time.monotonic()
-        episodes = self.rollouts(examples, 1, 0.0)
+        episodes = self.rollouts(examples, 1, 0.0, "eval", self.version)
         scored = [(e, p.completion) for e, p in zip(examples, episodes, strict=True) if p]
         rewards = [self.env.score(e, c) for e, c in scored]  # no model turn: 0, not solved
         rewards += [0.0] * (len(examples) - len(scored))
@@ -171,6 +180,7 @@ class Orchestrator:
         record = rollout_record(
             step, episodes, started_at, gen_s, self.weights.load_s, fill.generated, fill.surplus
         )
+        record.first_round_signal = fill.first_round_signal
         self.run_dir.append_metrics(record.to_json())
         self.weights.load_s = 0.0
         self.push(groups, step)
@@ -193,11 +203,11 @@ class Orchestrator:
         fill = Fill()
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
             examples = rng.sample(pool, self.draw(want - len(fill.kept), round_, len(pool)))
-            with_signal = self.fill_round(fill, examples, want, last=round_ == MAX_FILL_ROUNDS)
+            last = round_ == MAX_FILL_ROUNDS
+            with_signal = self.fill_round(fill, examples, want, last, "train", step, round_)
             if self.cfg.algorithm.filter_zero_advantage and round_ == 1:  # the first sets it
-                seen = with_signal / len(examples)
-                old = seen if self.signal_share is None else self.signal_share
-                self.signal_share = SIGNAL_SHARE_DECAY * old + (1 - SIGNAL_SHARE_DECAY) * seen
+                fill.first_round_signal = with_signal / len(examples)
+                self.learn_signal_share(fill.first_round_signal)
             if len(fill.kept) == want:
                 break
         return fill
@@ -216,11 +226,18 @@ class Orchestrator:
         draw = min(math.ceil((missing + margin) / share), int(MAX_OVERSAMPLE * missing))
         return min(draw, available)
 
-    def fill_round(self, fill: Fill, examples: list[Example], want: int, last: bool) -> int:
+    def learn_signal_share(self, seen: float) -> None:
+        """Fold a batch's first-round share of groups with signal into the running share."""
+        old = seen if self.signal_share is None else self.signal_share
+        self.signal_share = SIGNAL_SHARE_DECAY * old + (1 - SIGNAL_SHARE_DECAY) * seen
+
+    def fill_round(
+        self, fill: Fill, examples: list[Example], want: int, last: bool, *where: int | str
+    ) -> int:
         """One round's rollouts scored into `fill`; returns how many groups had signal."""
         env_cfg, algo = self.cfg.environment, self.cfg.algorithm
         n = env_cfg.group_size
-        episodes = self.rollouts(examples, n, algo.temperature)
+        episodes = self.rollouts(examples, n, algo.temperature, *where)
         fill.generated += sum(e is not None for e in episodes)
         fill.versions |= {e.min_version for e in episodes if e}
         with_signal = 0
@@ -281,14 +298,29 @@ class Orchestrator:
         response.raise_for_status()
         return int(response.json()["next_batch"])
 
+    def resume(self) -> int:
+        """The first batch the queue does not hold, with what generating the batches before it
+        taught (the running share of groups with signal, from their rollout records); records
+        of batches it holds no longer (generated, not pushed) are dropped."""
+        first = self.next_batch()
+        if not first:
+            return 0
+        self.log.info("resuming: the queue holds batches 0..%d", first - 1)
+        dropped = drop_records(self.run_dir.metrics, lambda r: is_rollout(r) and r["step"] > first)
+        if dropped:
+            self.log.info("dropped the rollout records of %d batches not pushed", dropped)
+        records = sorted((r for r in self.run_dir.read_metrics() if is_rollout(r)),
+                         key=lambda r: r["step"])  # fmt: skip
+        for record in records:
+            if "filter/first_round_signal" in record:
+                self.learn_signal_share(record["filter/first_round_signal"])
+        return first
+
     def run(self) -> None:
         cfg = self.cfg
-        first = self.next_batch()
-        if first:
-            self.log.info("resuming: the queue holds batches 0..%d", first - 1)
-        self.wait_for_version(0)
+        first = self.resume()
         for step in range(first, cfg.max_steps):
-            self.wait_for_version(step - cfg.algorithm.async_level)
+            self.wait_for_version(generating_version(cfg, step))
             self.generate(step)
         self.wait_for_version(cfg.max_steps)
         if self.last_eval != cfg.max_steps:

@@ -13,7 +13,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rl.core.runtime import die_with_parent, load_run_config, role_args, start_heartbeat
+from rl.core.runtime import (
+    deterministic_cuda,
+    die_with_parent,
+    load_run_config,
+    role_args,
+    start_heartbeat,
+)
 from rl.trainer.loop import Trainer
 from rl.trainer.parallel import rank_device
 
@@ -30,6 +36,7 @@ def main() -> None:
     start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     backend = "gloo"
     if rank_device(cfg).type == "cuda":
+        deterministic_cuda()
         backend = "cpu:gloo,cuda:nccl"  # NCCL for GPU tensors, gloo for small CPU ones
     # Rendezvous and every collective fail after this long (a rank that hangs or dies).
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeouts.collective_s))

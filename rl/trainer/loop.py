@@ -79,9 +79,9 @@ class Trainer:
         """The base checkpoint, built (or converted) once by rank 0 before the others look."""
         torch.manual_seed(self.cfg.seed)
         if self.rank == 0:
-            ensure_checkpoint(self.cfg.model, seed=self.cfg.seed)
+            ensure_checkpoint(self.cfg.model)
         dist.barrier()
-        return ensure_checkpoint(self.cfg.model, seed=self.cfg.seed)
+        return ensure_checkpoint(self.cfg.model)
 
     def mesh_dims(self) -> ParallelDims:
         """`parallel.trainer`'s degrees, which must make a mesh of the ranks torchrun started."""
@@ -139,7 +139,9 @@ class Trainer:
             train_only(self.model, adapter=False)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=cfg.lr, eps=self.cfg.algorithm.adam_eps)
-        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        # The warm-up makes the base every seed of the RL run starts from: its own seed.
+        torch.manual_seed(cfg.seed)
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
         t0 = time.monotonic()
         for step in range(cfg.steps):
             picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
@@ -161,6 +163,7 @@ class Trainer:
                     self.run_dir.append_metrics(done.to_json())
         if adapted:
             train_only(self.model, adapter=True)
+        torch.manual_seed(self.cfg.seed)  # back to the RL run's
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
     def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:

@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from rl.core.config import RunConfig, WeightTransport
+from rl.core.derive import exact_schedule, kept_versions
 from rl.weights.base import VersionWaiter, WeightPublisher
 from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, FilesystemWaiter
 
 
 def make_publisher(cfg: RunConfig, run_dir: Path, log: logging.Logger) -> WeightPublisher:
     """The trainer's publisher for `inference.weight_transport`."""
-    disk = FilesystemPublisher(run_dir, cfg.trainer.keep_weights)
+    disk = FilesystemPublisher(run_dir, kept_versions(cfg))
     if cfg.inference.weight_transport != WeightTransport.broadcast:
         return disk
     from rl.weights.broadcast import BroadcastPublisher  # torch, only where it is used
@@ -28,4 +29,4 @@ def make_waiter(
     into every server (`load_weights(path, version)`)."""
     if cfg.inference.weight_transport == WeightTransport.broadcast:
         return BroadcastRecordWaiter(run_dir, cfg.timeouts.weights_s)
-    return FilesystemWaiter(run_dir, inference, log, cfg.timeouts.weights_s)
+    return FilesystemWaiter(run_dir, inference, log, cfg.timeouts.weights_s, exact_schedule(cfg))

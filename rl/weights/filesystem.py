@@ -24,7 +24,8 @@ POLL_S = 0.01  # how often inference looks for a new version while it waits for 
 
 
 class FilesystemPublisher(WeightPublisher):
-    """Writes `weights/step_N/` and keeps the newest `keep` versions (and version 0)."""
+    """Writes `weights/step_N/` and keeps the newest `keep` versions (and version 0): at least
+    every version the orchestrator may still load (rl/core/derive.py's `kept_versions`)."""
 
     def __init__(self, run_dir: Path, keep: int) -> None:
         self.run_dir, self.keep = RunDir(run_dir), keep
@@ -46,32 +47,39 @@ class FilesystemPublisher(WeightPublisher):
 
 
 class FilesystemWaiter(VersionWaiter):
-    """Waits for `weights/step_N` and loads the newest version into every server."""
+    """Waits for `weights/step_N` and loads it into every server: exactly the version asked
+    for (the fixed schedule), or the newest one published."""
 
     def __init__(
-        self, run_dir: Path, inference: Any, log: logging.Logger, timeout_s: float
+        self, run_dir: Path, inference: Any, log: logging.Logger, timeout_s: float, exact: bool
     ) -> None:
         self.run_dir, self.inference, self.log = RunDir(run_dir), inference, log
-        self.timeout_s = timeout_s
+        self.timeout_s, self.exact = timeout_s, exact
 
     def wait(self, minimum: int, held: int) -> int:
         started = time.monotonic()
         newest = wait_for_version(
             self.run_dir.newest_version, minimum, self.timeout_s, self.run_dir.weights, POLL_S
         )
-        if newest <= held:
+        wanted = minimum if self.exact else newest
+        if wanted == held:
             return held
+        if not is_complete(self.run_dir.weights_for(wanted)):
+            raise RuntimeError(
+                f"orchestrator: version {wanted} is gone from {self.run_dir.weights} (the "
+                f"newest is {newest}): trainer.keep_weights kept too few for the schedule"
+            )
         t0 = time.monotonic()
-        self.inference.load_weights(self.run_dir.weights_for(newest), newest)
+        self.inference.load_weights(self.run_dir.weights_for(wanted), wanted)
         seconds = time.monotonic() - t0
         self.load_s += seconds
         self.log.info(
             "loaded version %d into inference (waited %.2f s, load %.2f s)",
-            newest,
+            wanted,
             t0 - started,
             seconds,
         )
-        return newest
+        return wanted
 
 
 class BroadcastRecordWaiter(VersionWaiter):

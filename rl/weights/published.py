@@ -6,9 +6,9 @@ published, a truncated or corrupt file, or a tensor
 holding NaN or Inf would otherwise become the served policy (NaN weights make the server sample
 pad tokens with null logprobs while reporting the version as healthy). Each such request is
 refused with `RefusedWeights` (answered 400) before anything changes: the server keeps serving
-the weights and version it had. A request for an older version than the one served (the
-orchestrator's load racing a restarted server's catch-up) changes nothing and answers with the
-served version: versions only grow.
+the weights and version it had. An older published version loads like any other: the
+orchestrator decides which version generates each batch (rl/core/derive.py), and a restarted
+server that came back on the newest is told to load the one the schedule wants.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ PROMPTS = ["hello world", "ab", "the quick brown fox"]
 
 def adapted(cfg: Any, seed: int) -> Any:
     """The tiny model with a rank-8 adapter whose B is random (from `seed`), not zero."""
-    model = lora_trainer.wrap(load_model(ensure_checkpoint(cfg.model, seed=cfg.seed)), cfg.model)
+    model = lora_trainer.wrap(load_model(ensure_checkpoint(cfg.model)), cfg.model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -88,7 +88,7 @@ def embedded_server(tmp_path_factory: Any, *overrides: str) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RELAY_CACHE", str(tmp_path_factory.mktemp("relay_cache")))
         cfg = compose_run(*overrides)
-        tokenizer = load_tokenizer(ensure_checkpoint(cfg.model, seed=cfg.seed))
+        tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
         run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
         proc = start_role("inference", run_dir, "--replica", "0")
         try:

@@ -44,7 +44,7 @@ MARKS = [
 
 def trained_checkpoint(cfg: DictConfig, target: Path, steps: int) -> list[list[int]]:
     """Publish a checkpoint after `steps` SFT steps; return the embedded engine's greedy ids."""
-    base = ensure_checkpoint(cfg.model, seed=cfg.seed)
+    base = ensure_checkpoint(cfg.model)
     model, tok = load_model(base), load_tokenizer(base)
     examples = make_environment(cfg.environment).train_examples()[:64]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
