@@ -58,8 +58,8 @@ def main() -> None:
             for schedule in order:
                 found = run(schedule, seed, Path(tmp) / f"{schedule}-{seed}", overrides)
                 results[schedule].append(found)
-                print(f"{schedule:6} seed {seed}: RL {found['rl_s']:.1f} s, exact "
-                      f"{found['exact']:.3f}, staleness {found['staleness']:.2f}", flush=True)  # fmt: skip
+                line = f"{schedule:6} seed {seed}: RL {found['rl_s']:.1f} s, exact "
+                print(f"{line}{found['exact']:.3f}, staleness {found['staleness']:.2f}", flush=True)
     print()
     print(f"{'schedule':8} {'RL s':>14} {'exact match':>16} {'staleness':>12}")
     for schedule, found in results.items():
