@@ -3,5 +3,5 @@ Slurm, watch them, and report how the run went. Nothing here runs inside a role.
 
 Layered, lowest first (tests/test_imports.py holds it): errors, gpus, help, report; tracking,
 sizing; vllm_args; checks; plan; run_dir, processes, slurm_cli; sweep_summary; local,
-supervisor; slurm; shared_sweep; run; cli.
+supervisor; slurm; sweep_base; shared_sweep; run; cli.
 """

@@ -12,6 +12,7 @@ from launcher.checks import check_weights
 from launcher.errors import ConfigError
 from launcher.plan import format_plan, plan
 from launcher.report import override
+from launcher.sweep_base import shares_a_base, start_from_base
 from rl.core.config import Action, ClusterKind, RunConfig
 from rl.core.rundir import CONFIG, TOKEN, RunDir, write_atomic
 
@@ -36,6 +37,9 @@ def launch(cfg: DictConfig) -> None:
         return
     try:
         run_plan = plan(cfg)
+        if not cfg.dry_run and shares_a_base(cfg):  # a sweep point: warmed up once per group
+            start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
+            run_plan = plan(cfg)
         if not cfg.dry_run:
             check_weights(cfg)
         if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest

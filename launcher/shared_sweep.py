@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import secrets
 import shutil
 import signal
@@ -44,17 +43,15 @@ from launcher.processes import (
     POLL_S,
     Child,
     RunFailed,
-    expand,
-    spawn,
     stop_children,
-    tail,
 )
 from launcher.report import finish_run, override, sweep_group
+from launcher.sweep_base import warm_up
 from launcher.sweep_summary import write_sweep_summary
-from launcher.tracking import Console, Follow, MetricsTail
+from launcher.tracking import Follow
 from rl.core.config import ClusterKind, RunConfig
 from rl.core.model import ensure_checkpoint
-from rl.core.rundir import BASE, SERVICE, RunDir, is_complete, point_name, shared_service
+from rl.core.rundir import BASE, SERVICE, RunDir, point_name, shared_service
 
 # What points sharing one service may set apart: how each trains, never what is served.
 VARIES = (
@@ -205,31 +202,7 @@ class Unit:
 def warm_up_once(first: DictConfig, sweep_dir: Path, token: str) -> Path:
     """The first point's warm-up, alone, with every core (`base/`); returns the weights
     every point starts from."""
-    cfg = copy.deepcopy(first)
-    cfg.max_steps, cfg.model.lora.rank, cfg.inference.shared = 0, 0, False
-    run = RunDir(sweep_dir / BASE)
-    run.create(cfg, token)
-    trainer = next(p for p in plan(first).processes if p.role == "trainer")
-    threads = str(cfg.cluster.omp_threads or cfg.cluster.cpus_per_node)
-    env = {**os.environ, **trainer.env, "OMP_NUM_THREADS": threads, "RELAY_TOKEN": token}
-    values = {"RELAY_RUN_DIR": str(run.root)}
-    print(f"warm-up, once for every point: {run.root}", flush=True)
-    child = spawn("trainer", "trainer", expand(trainer.argv, values), env, run.log("trainer"))
-    console, metrics = Console(cfg.warmup.steps), MetricsTail(run)
-    try:
-        while child.proc.poll() is None:
-            for record in metrics.read():
-                if text := console.line(record):
-                    print(f"base: {text}", flush=True)
-            time.sleep(POLL_S)
-    finally:
-        stop_children([child])
-    if child.proc.returncode != 0 or not is_complete(run.weights_for(0)):
-        raise RunFailed(
-            f"the sweep's warm-up {child.ended(child.proc.returncode)}; last lines of "
-            f"{child.log_path}:\n{tail(child.log_path)}"
-        )
-    return run.weights_for(0)
+    return warm_up(first, RunDir(sweep_dir / BASE), token, "base")
 
 
 def prepare(points: list[Point], sweep_dir: Path, token: str, base: Path) -> list[Unit]:

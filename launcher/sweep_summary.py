@@ -1,5 +1,7 @@
 """A sweep's comparison: `sweep_summary.md` (one row per point: what it changed, how it
-ended, its last rewards and pace) and `sweep.png` (every point's reward curves on one plot),
+ended, its last rewards and pace; and where points differ only in their seed, one row per
+group of them, with mean +- sd over the seeds and whether the best group's lead exceeds that
+spread) and `sweep.png` (every point's reward curves, or each group's mean with a band),
 written into the sweep directory when a multirun ends (`SweepEnd` in launcher/shared_sweep.py, a
 Hydra callback) and again by `rl action=status run_dir=<sweep dir>` (a Slurm sweep's points end
 after the command that submitted them).
@@ -7,6 +9,8 @@ after the command that submitted them).
 
 from __future__ import annotations
 
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +91,131 @@ def write_sweep_summary(sweep_dir: Path) -> Path | None:
         summary = read_summary(run)
         cells = [_cell(summary, key, form, run) for _, key, form in COLUMNS]
         lines.append(f"| {run.root.name} | `{label}` | " + " | ".join(cells) + " |")
+    groups = seed_groups(points, labels)
+    if any(len(members) > 1 for members in groups.values()):
+        lines += ["", *group_table(groups)]
     lines += ["", "![rewards](sweep.png)", ""]
     target = sweep_dir / "sweep_summary.md"
     target.write_text("\n".join(lines))
-    plot_sweep([read_records(run.metrics) for run in points], labels, sweep_dir / "sweep.png")
+    if any(len(members) > 1 for members in groups.values()):
+        plot_groups(groups, sweep_dir / "sweep.png")
+    else:
+        plot_sweep([read_records(run.metrics) for run in points], labels, sweep_dir / "sweep.png")
     return target
+
+
+SEED = re.compile(r"(^|\s)seed=\S+")
+
+
+def seed_groups(points: list[RunDir], labels: list[str]) -> dict[str, list[RunDir]]:
+    """The points by everything but their seed: a group's points differ only in `seed=`."""
+    groups: dict[str, list[RunDir]] = {}
+    for run, label in zip(points, labels, strict=True):
+        key = " ".join(SEED.sub(" ", label).split()) or "defaults"
+        groups.setdefault(key, []).append(run)
+    return groups
+
+
+GROUP_COLUMNS = (
+    ("eval exact (last)", "eval/exact_match/last"),
+    ("reward (last 10)", "reward/last"),
+)
+
+
+def group_table(groups: dict[str, list[RunDir]]) -> list[str]:
+    """A row per group (mean +- sd over its seeds, and n), the best group by last eval, and
+    whether its lead over the next exceeds the spread across seeds."""
+    lines = [
+        "Over seeds (points that differ only in their seed):",
+        "",
+        "| group | n | " + " | ".join(title for title, _ in GROUP_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(GROUP_COLUMNS),
+    ]
+    stats = {}
+    for name, members in groups.items():
+        summaries = [read_summary(run) for run in members]
+        cells = []
+        for _, key in GROUP_COLUMNS:
+            values = [s[key] for s in summaries if key in s]
+            stats[name, key] = values
+            cells.append(mean_sd(values) if values else "-")
+        n = sum("eval/exact_match/last" in s for s in summaries)
+        lines.append(f"| `{name}` | {n} | " + " | ".join(cells) + " |")
+    lines += ["", verdict({n: stats[n, "eval/exact_match/last"] for n in groups})]
+    return lines
+
+
+def mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+
+
+def verdict(evals: dict[str, list[float]]) -> str:
+    """The best group by mean last eval, and whether its lead over the runner-up is larger
+    than the spread across seeds (the larger of the two groups' standard deviations)."""
+    scored = {name: values for name, values in evals.items() if values}
+    if len(scored) < 2:
+        return "One group has evals so far: nothing to rank."
+    ranked = sorted(scored, key=lambda name: -statistics.mean(scored[name]))
+    best, second = ranked[0], ranked[1]
+    lead = statistics.mean(scored[best]) - statistics.mean(scored[second])
+    spread = max(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (scored[best], scored[second]))
+    if min(len(scored[best]), len(scored[second])) < 2:
+        judged = "one seed a side gives no spread to judge it by"
+    elif lead > spread:
+        judged = f"larger than the spread across seeds (sd {spread:.3f}): a real lead"
+    else:
+        judged = f"within the spread across seeds (sd {spread:.3f}): not told apart from noise"
+    return (
+        f"Best: `{best}` (last eval {statistics.mean(scored[best]):.3f}); its lead over "
+        f"`{second}` is {lead:.3f}, {judged}."
+    )
+
+
+def plot_groups(groups: dict[str, list[RunDir]], target: Path) -> None:
+    """Each group's mean train reward and eval exact match over its seeds, with a band from
+    its lowest to its highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    for name, members in groups.items():
+        runs = [read_records(run.metrics) for run in members]
+        color = None
+        for ax, pick, key in ((axes[0], is_train, "reward/mean"),
+                              (axes[1], is_eval, "eval/exact_match")):  # fmt: skip
+            steps, means, lows, highs = _band(runs, pick, key)
+            (line,) = ax.plot(steps, means, "-" if pick is is_train else "o-", color=color)
+            color = line.get_color()
+            ax.fill_between(steps, lows, highs, color=color, alpha=0.2)
+            if pick is is_train:
+                line.set_label(f"{name} (n={len(members)})")
+    axes[0].set_title("train reward (mean over seeds, band: min..max)", fontsize=9)
+    axes[1].set_title("eval exact match (mean over seeds, band: min..max)", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("trainer step (policy version)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(str(target.parent), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+
+
+def _band(runs: list[list[dict]], pick: Any, key: str) -> tuple[list[int], ...]:
+    """Steps every run recorded, and the mean, lowest and highest value at each."""
+    by_run = [{r["step"]: r[key] for r in records if pick(r)} for records in runs]
+    steps = sorted(set.intersection(*(set(values) for values in by_run))) if by_run else []
+    columns = [[values[step] for values in by_run] for step in steps]
+    return (
+        steps,
+        [statistics.mean(c) for c in columns],
+        [min(c) for c in columns],
+        [max(c) for c in columns],
+    )
 
 
 def plot_sweep(runs: list[list[dict]], labels: list[str], target: Path) -> None:

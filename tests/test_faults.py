@@ -24,6 +24,7 @@ import pytest
 
 from rl.core.rundir import RunDir
 from tests.support.faults import KillAtStep, KillInTurn, trained_steps
+from tests.support.repro import differences
 from tests.support.runs import ROOT, assert_no_process_left
 
 pytestmark = pytest.mark.slow
@@ -43,9 +44,6 @@ KILLS = [
     ("queue", 28, STOP), ("inference-0", 34, STOP),
     ("orchestrator", 40, STOP), ("trainer", 46, STOP),
 ]  # fmt: skip
-# Final exact match of a disturbed run against the undisturbed one, on 200 held-out words:
-# seeds and the timing of asynchronous generation already move it by about this much.
-EVAL_RANGE = 0.15
 
 
 def rl(run_dir: Path, cache: Path, *args: str) -> list[str]:
@@ -74,23 +72,23 @@ def start(run_dir: Path, cache: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def final_eval(run_dir: Path) -> float:
-    return json.loads((run_dir / "summary.json").read_text())["eval/exact_match/last"]
-
-
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> float:
+def undisturbed(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
     out = subprocess.run(
         rl(run_dir, cache), cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return final_eval(run_dir)
+    return run_dir
 
 
 def test_run_survives_kill_9_and_a_hang_of_each_role_in_turn(
-    tmp_path: Path, cache: Path, undisturbed: float
+    tmp_path: Path, cache: Path, undisturbed: Path
 ) -> None:
+    """Each role killed, then stopped until the hang detector ends it, in turn: the run goes
+    on and is the undisturbed run, record for record and byte for byte (the trainer retrains
+    from its checkpoint onto the same weights, the orchestrator regenerates the batches it
+    owes, a restarted server is told the version the schedule wants)."""
     run_dir = tmp_path / "run"
     killer = KillInTurn(run_dir, KILLS)
     killer.start()
@@ -121,7 +119,7 @@ def test_run_survives_kill_9_and_a_hang_of_each_role_in_turn(
     orchestrator = (run_dir / "logs" / "orchestrator.log").read_text()
     assert "resuming: the queue holds batches" in orchestrator
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
-    assert abs(final_eval(run_dir) - undisturbed) <= EVAL_RANGE, (final_eval(run_dir), undisturbed)
+    assert differences(undisturbed, run_dir) == []
     assert_no_process_left(run_dir)
 
 

@@ -183,6 +183,7 @@ LAUNCHER_LAYERS = (
     ("launcher.sweep_summary",),
     ("launcher.local", "launcher.supervisor"),
     ("launcher.slurm",),
+    ("launcher.sweep_base",),
     ("launcher.shared_sweep",),
     ("launcher.run",),
     ("launcher.cli",),

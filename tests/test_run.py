@@ -300,27 +300,43 @@ def test_ctrl_c_stops_every_role(tmp_path: Path, cache: Path) -> None:
     assert summary["status"] == "interrupted" and summary["steps"] >= 1
 
 
-def test_a_two_point_sweep_writes_a_comparison(tmp_path: Path, cache: Path) -> None:
-    """`rl -m` over two learning rates: point directories named after their overrides, each
-    summary with its overrides, and at the end one table and one plot comparing them."""
+def test_a_sweep_over_seeds_shares_its_base_and_groups_its_table(
+    tmp_path: Path, cache: Path
+) -> None:
+    """`rl -m` over two learning rates and two seeds: point directories named after their
+    overrides, one warm-up for all four (the base's seeds are its own), every point starting
+    from it; the table has a row per point and one per learning rate over its seeds, and
+    names the best one; the plot draws each learning rate's mean with a band."""
+    sweep = tmp_path / "sweep"
     out = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "-m", *SMALL, "max_steps=2",
-         f"hydra.sweep.dir={tmp_path / 'sweep'}", "algorithm.lr=1e-3,3e-4"],
+         f"hydra.sweep.dir={sweep}", "algorithm.lr=1e-3,3e-4", "seed=0,1"],
         cwd=ROOT, env=child_env(cache, WANDB_MODE="disabled"), capture_output=True, text=True,
-        timeout=600,
+        timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    points = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert [p.split(",")[0] for p in points] == ["0-algorithm.lr=0.001", "1-algorithm.lr=0.0003"]
-    for point, lr in zip(points, ("0.001", "0.0003"), strict=True):
-        summary = json.loads((tmp_path / "sweep" / point / "summary.json").read_text())
-        assert f"algorithm.lr={lr}" in summary["overrides"]
+    points = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
+    assert [p.split(",")[0] for p in points] == [
+        "0-algorithm.lr=0.001", "1-algorithm.lr=0.001", "2-algorithm.lr=0.0003",
+        "3-algorithm.lr=0.0003",
+    ]  # fmt: skip
+    (base,) = (sweep / "bases").iterdir()  # one warm-up: one group of points shares it
+    assert out.stdout.count("sweep base: warm-up, once for the points that share it") == 1
+    first_evals = set()
+    for point in points:
+        summary = json.loads((sweep / point / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["steps"] == 2
-    table = (tmp_path / "sweep" / "sweep_summary.md").read_text().splitlines()
-    rows = [x for x in table if x.startswith("| 0-") or x.startswith("| 1-")]
-    assert len(rows) == 2 and "`algorithm.lr=0.001`" in rows[0] and "| finished | 2 |" in rows[0]
-    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 10_000
-    assert f"sweep summary: {tmp_path / 'sweep' / 'sweep_summary.md'}" in out.stdout
+        config = (sweep / point / "config.yaml").read_text()
+        assert f"path: {base / 'weights' / 'step_0'}" in config
+        first_evals.add(summary["eval/exact_match/first"])
+    assert len(first_evals) == 1  # every point starts from the same base
+    table = (sweep / "sweep_summary.md").read_text()
+    rows = [x for x in table.splitlines() if x[:3] in ("| 0", "| 1", "| 2", "| 3")]
+    assert len(rows) == 4 and "`algorithm.lr=0.001 seed=0`" in rows[0]
+    assert "| `algorithm.lr=0.001` | 2 |" in table and "| `algorithm.lr=0.0003` | 2 |" in table
+    assert "Best: `algorithm.lr=" in table
+    assert (sweep / "sweep.png").stat().st_size > 10_000
+    assert f"sweep summary: {sweep / 'sweep_summary.md'}" in out.stdout
 
 
 def test_colocated_placement_takes_turns_on_policy(tmp_path: Path, cache: Path) -> None:

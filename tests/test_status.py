@@ -64,3 +64,15 @@ def test_status_finds_the_newest_run_of_any_name(tmp_path: Path) -> None:
     here = outputs / "reverse_text-tiny" / "2026-01-03_00-00-00"  # this command's own dir
     cfg = OmegaConf.create({"run_dir": None, "name": "reverse_text-tiny"})
     assert find_run(cfg, here).root == newer.root
+
+
+def test_a_groups_lead_is_judged_against_the_spread_across_seeds() -> None:
+    from launcher.sweep_summary import verdict
+
+    clear = verdict({"lr=a": [0.70, 0.72, 0.71], "lr=b": [0.50, 0.52, 0.49]})
+    assert clear.startswith("Best: `lr=a` (last eval 0.710); its lead over `lr=b` is 0.207")
+    assert "larger than the spread across seeds (sd 0.015): a real lead" in clear
+    noisy = verdict({"lr=a": [0.80, 0.60, 0.70], "lr=b": [0.65, 0.66, 0.64]})
+    assert "Best: `lr=a`" in noisy and "within the spread across seeds (sd 0.100)" in noisy
+    assert "one seed a side" in verdict({"a": [0.7], "b": [0.6]})
+    assert verdict({"a": [0.7]}).startswith("One group")

@@ -79,8 +79,11 @@ def inexact(cfg: RunConfig) -> list[str]:
         reasons.append(
             "inference.weight_transport=broadcast: servers take each version as it is sent"
         )
-    if inference_backend(cfg) == Backend.vllm:
-        reasons.append("inference.backend=vllm: vLLM batches requests as they arrive")
+    if inference_backend(cfg) == Backend.vllm and cfg.cluster.gpus_per_node:
+        reasons.append(
+            "inference.backend=vllm on GPUs: vLLM's GPU kernels depend on how it batches the "
+            "requests as they arrive"
+        )
     name = str(cfg.environment.name)
     if name == "agent":
         reasons.append("environment=agent: the agent is code of its own, with its own timing")

@@ -57,6 +57,7 @@ STEP_PREFIX = "step_"
 
 SERVICE = "inference"  # a shared-inference sweep's service directory, beside its points
 BASE = "base"  # its one warm-up, beside its points
+BASES = "bases"  # a sweep's shared bases, one per group of points that warm up alike
 POINT_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -78,7 +79,7 @@ def point_dirs(sweep: Path) -> list[Path]:
     """The run directories of a sweep's points (a shared-inference sweep's service and base
     are not points)."""
     found = (config.parent for config in sweep.glob(f"*/{CONFIG}"))
-    return sorted(p for p in found if p.name not in (SERVICE, BASE))
+    return sorted(p for p in found if p.name not in (SERVICE, BASE, BASES))
 
 
 def shared_point(service: Path, name: str) -> Path | None:
