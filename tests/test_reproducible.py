@@ -2,15 +2,16 @@
 records (every field but timing, throughput and memory) and the same last weights, byte for
 byte; another seed gives another run, from the same base.
 
-Each layout runs twice, the second time beside a CPU-heavy process (another run of Relay's),
-so the two see different timing. Kills, hangs and restarts are tests/test_faults.py's: its
-disturbed run must equal its undisturbed one in the same way.
+The runs of a comparison go side by side, each beside the others (CPU-heavy processes with
+timing of their own), in two layouts that together hold what could make a run depend on its
+timing: staleness 2, two inference replicas, a trainer world of two (FSDP over gloo) and a
+LoRA adapter in one; a multi-turn environment (wordle) in the other. Kills, hangs and
+restarts are tests/test_faults.py's: its disturbed run must equal its undisturbed one too.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +20,21 @@ import pytest
 
 from rl.core.paths import ROOT
 from tests.support.repro import differences, records_by_step
-from tests.support.runs import child_env, rl_command, run_to_end
+from tests.support.runs import assert_no_process_left, child_env, rl_command
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["max_steps=8", "environment.eval_every=4"]
 LAYOUTS = {
-    "async_level=2": ["algorithm.async_level=2"],
-    "two replicas": ["parallel.inference.replicas=2"],
-    "trainer world 2": ["parallel=fsdp", "parallel.trainer.dp_shard=2"],
-    "wordle": ["environment=wordle", "model.inference.max_model_len=512", "max_steps=4"],
-    "lora": ["model.lora.rank=8", "algorithm.lr=3e-3"],
-}
+    "async 2, two replicas, trainer world 2, LoRA": [
+        "max_steps=6", "environment.eval_every=3", "algorithm.async_level=2",
+        "parallel.inference.replicas=2", "parallel=fsdp", "parallel.trainer.dp_shard=2",
+        "model.lora.rank=8", "algorithm.lr=3e-3",
+    ],
+    "wordle": [
+        "environment=wordle", "model.inference.max_model_len=512", "max_steps=3",
+        "environment.eval_every=3",
+    ],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -38,61 +42,57 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("relay_cache")
 
 
-def busy(run_dir: Path, cache: Path) -> subprocess.Popen[bytes]:
-    """Another run of Relay's, in the background: CPU-heavy, with timing of its own."""
-    return subprocess.Popen(
-        rl_command(run_dir, "max_steps=100000"),
-        cwd=ROOT,
-        env=child_env(cache, WANDB_MODE="disabled"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def twice(tmp: Path, cache: Path, *overrides: str) -> tuple[Path, Path]:
-    """The same run twice: alone, then beside a busy one."""
-    first, second = tmp / "alone", tmp / "beside"
-    run_to_end(first, cache, *STEPS, *overrides, WANDB_MODE="disabled")
-    other = busy(tmp / "busy", cache)
-    try:
-        run_to_end(second, cache, *STEPS, *overrides, WANDB_MODE="disabled")
-    finally:
-        os.killpg(other.pid, 9)
-        other.wait()
-    return first, second
+def side_by_side(runs: dict[Path, list[str]], cache: Path) -> None:
+    """Every run at once, each beside the others; all must finish and leave nothing behind."""
+    env = child_env(cache, WANDB_MODE="disabled")
+    started = {
+        run_dir: subprocess.Popen(
+            rl_command(run_dir, *overrides),
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for run_dir, overrides in runs.items()
+    }
+    for run_dir, proc in started.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        assert_no_process_left(run_dir)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_same_config_gives_the_same_run(tmp_path: Path, cache: Path, layout: str) -> None:
-    first, second = twice(tmp_path, cache, *LAYOUTS[layout])
-    assert differences(first, second) == []
-    summary = json.loads((first / "summary.json").read_text())
+    """Two runs of one config (and, in the first layout, one with another seed), side by side:
+    the two are the same run; the other seed is another run from the same base."""
+    overrides = LAYOUTS[layout]
+    runs = {tmp_path / "first": overrides, tmp_path / "second": overrides}
+    seeded = layout.startswith("async")
+    if seeded:
+        runs[tmp_path / "seed1"] = [*overrides, "seed=1"]
+    side_by_side(runs, cache)
+    assert differences(tmp_path / "first", tmp_path / "second") == []
+    summary = json.loads((tmp_path / "first" / "summary.json").read_text())
     assert summary["reproducible"] and summary["seed"] == 0 and summary["inexact"] == []
-
-
-def test_another_seed_gives_another_run_from_the_same_base(tmp_path: Path, cache: Path) -> None:
-    seeds = [tmp_path / f"seed{seed}" for seed in (0, 1)]
-    for seed, run_dir in enumerate(seeds):
-        run_to_end(run_dir, cache, *STEPS, f"seed={seed}", WANDB_MODE="disabled")
-    assert differences(*seeds), "seeds 0 and 1 ran the same run"
-    zero, one = (records_by_step(run_dir) for run_dir in seeds)
-    # The warm-up and the base have seeds of their own: both seeds start from the same policy.
-    assert zero[("eval", 0)] == one[("eval", 0)]
-    assert zero[("train", 1)]["reward/mean"] != one[("train", 1)]["reward/mean"]
-    assert json.loads((seeds[1] / "summary.json").read_text())["seed"] == 1
+    if seeded:
+        assert differences(tmp_path / "first", tmp_path / "seed1"), "seeds 0 and 1: one run"
+        zero, one = records_by_step(tmp_path / "first"), records_by_step(tmp_path / "seed1")
+        # The warm-up and the base have seeds of their own: both start from the same policy.
+        assert zero[("eval", 0)] == one[("eval", 0)]
+        assert zero[("train", 1)]["reward/mean"] != one[("train", 1)]["reward/mean"]
+        assert json.loads((tmp_path / "seed1" / "summary.json").read_text())["seed"] == 1
 
 
 def test_the_plan_says_what_makes_a_run_inexact(cache: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "dry_run=true", "algorithm.schedule=newest"],
-        cwd=ROOT, env=child_env(cache), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    header = out.stdout.splitlines()[0]
-    assert "seed 0, not reproducible (algorithm.schedule=newest" in header
-    plain = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "dry_run=true"],
-        cwd=ROOT, env=child_env(cache), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert plain.stdout.splitlines()[0].endswith("seed 0, reproducible")
+    def header(*overrides: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "launcher.cli", "dry_run=true", *overrides],
+            cwd=ROOT, env=child_env(cache), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()[0]
+
+    assert header().endswith("seed 0, reproducible")
+    newest = header("algorithm.schedule=newest", "seed=3")
+    assert "seed 3, not reproducible (algorithm.schedule=newest" in newest
