@@ -37,10 +37,11 @@ def launch(cfg: DictConfig) -> None:
         return
     try:
         run_plan = plan(cfg)
+        base_pending = False  # on Slurm: built by a job this point's jobs start after
         if not cfg.dry_run and shares_a_base(cfg):  # a sweep point: warmed up once per group
-            start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
+            base_pending = start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
             run_plan = plan(cfg)
-        if not cfg.dry_run:
+        if not cfg.dry_run and not base_pending:
             check_weights(cfg)
         if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest
             from launcher import shared_sweep

@@ -182,9 +182,12 @@ def _submit_jobs(cfg: DictConfig, run_plan: RunPlan, run: RunDir, partition: str
     submit_together([(cfg, run_plan, run)], partition)
 
 
-def submit_together(runs: list[tuple[DictConfig, RunPlan, RunDir]], partition: str) -> None:
+def submit_together(
+    runs: list[tuple[DictConfig, RunPlan, RunDir]], partition: str, label: str = ""
+) -> None:
     """Submit every job of `runs` held, record each run's ids, release them all together; on
-    any failure cancel what was submitted and raise ConfigError."""
+    any failure cancel what was submitted and raise ConfigError. Each run is announced with
+    its directory, jobs, logs and status command; with `label` (a sweep's base) by one line."""
     submitted: list[str] = []
     named: list[tuple[RunDir, str, dict[str, str]]] = []
     try:
@@ -213,6 +216,10 @@ def submit_together(runs: list[tuple[DictConfig, RunPlan, RunDir]], partition: s
             raise ConfigError(f"submission failed, nothing left queued: {lines[-1]}") from None
         raise
     for run, run_name, ids in named:
+        if label:
+            jobs = ", ".join(f"job {job_id} ({name})" for name, job_id in ids.items())
+            print(f"{label}: submitted {jobs}, partition {partition}: {run.root}")
+            continue
         print(f"run directory: {run.root}")
         for name, job_id in ids.items():
             print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")

@@ -21,6 +21,7 @@ shared_sweep.py), with the same warm-up (`warm_up`).
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import json
 import os
@@ -74,21 +75,29 @@ def base_config(cfg: DictConfig) -> DictConfig:
     return base
 
 
-def start_from_base(cfg: DictConfig, sweep_dir: Path) -> None:
+def start_from_base(cfg: DictConfig, sweep_dir: Path) -> bool:
     """Point `cfg` at its group's base, warming it up (locally) or submitting it (Slurm) when
-    no point of the group has yet."""
-    run = RunDir(sweep_dir / BASES / base_key(cfg))
+    no point of the group has yet; returns whether the base is still to be built (a Slurm job
+    the point's jobs wait for)."""
+    run = RunDir(sweep_dir.absolute() / BASES / base_key(cfg))
     weights = run.weights_for(0)
     after = None
     if cfg.cluster.kind == ClusterKind.slurm:
         after = submitted_base(cfg, run)
-    elif not is_complete(weights):
-        warm_up(cfg, run, secrets.token_hex(16), "sweep base")
+    else:
+        run.root.mkdir(parents=True, exist_ok=True)
+        # Points run side by side (Hydra's array-job launcher): one warms up, the rest wait.
+        with open(run.root / ".warm-up.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not is_complete(weights):
+                warm_up(cfg, run, secrets.token_hex(16), "sweep base")
     with open_dict(cfg):
         cfg.model.path = str(weights)
         cfg.warmup.steps = 0
         if after is not None:
             cfg.cluster.sbatch_extra["dependency"] = f"afterok:{after}"
+            cfg.cluster.sbatch_extra["kill_on_invalid_dep"] = "yes"  # a failed base ends them
+    return after is not None
 
 
 def submitted_base(cfg: DictConfig, run: RunDir) -> str | None:
@@ -106,7 +115,7 @@ def submitted_base(cfg: DictConfig, run: RunDir) -> str | None:
     base_plan.processes = base_plan.role("trainer")
     base_plan.jobs = [job for job in base_plan.jobs if job.name == "trainer"]
     run.create(base, secrets.token_hex(16), base_plan.to_json())
-    submit_together([(base, base_plan, run)], preflight(base, base_plan))
+    submit_together([(base, base_plan, run)], preflight(base, base_plan), "sweep base")
     return read_jobs(run)["trainer"]
 
 

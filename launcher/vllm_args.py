@@ -100,6 +100,9 @@ def vllm_args(
     else:
         # vLLM's CPU build otherwise reserves most of a NUMA node for KV cache at start-up.
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+        # A prefill split across steps rewinds its request's generator, which a CPU generator
+        # cannot do: a seeded request (every rollout's) would kill the engine. Whole prefills.
+        args.append("--no-enable-chunked-prefill")
     if serve.quantization:
         args += ["--quantization", serve.quantization]
     if serve.kv_cache_dtype != "auto":

@@ -1,6 +1,6 @@
 """A run is a function of its config: the same config, seed and layout twice give the same
 records (every field but timing, throughput and memory) and the same last weights, byte for
-byte; another seed gives another run, from the same base.
+byte.
 
 The runs of a comparison go side by side, each beside the others (CPU-heavy processes with
 timing of their own), in two layouts that together hold what could make a run depend on its
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rl.core.paths import ROOT
-from tests.support.repro import differences, records_by_step
+from tests.support.repro import differences
 from tests.support.runs import assert_no_process_left, child_env, rl_command
 
 pytestmark = pytest.mark.slow
@@ -64,24 +64,13 @@ def side_by_side(runs: dict[Path, list[str]], cache: Path) -> None:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_same_config_gives_the_same_run(tmp_path: Path, cache: Path, layout: str) -> None:
-    """Two runs of one config (and, in the first layout, one with another seed), side by side:
-    the two are the same run; the other seed is another run from the same base."""
+    """Two runs of one config, side by side, are the same run. (Another seed gives another
+    run from the same base: tests/test_run.py's sweep over seeds.)"""
     overrides = LAYOUTS[layout]
-    runs = {tmp_path / "first": overrides, tmp_path / "second": overrides}
-    seeded = layout.startswith("async")
-    if seeded:
-        runs[tmp_path / "seed1"] = [*overrides, "seed=1"]
-    side_by_side(runs, cache)
+    side_by_side({tmp_path / "first": overrides, tmp_path / "second": overrides}, cache)
     assert differences(tmp_path / "first", tmp_path / "second") == []
     summary = json.loads((tmp_path / "first" / "summary.json").read_text())
     assert summary["reproducible"] and summary["seed"] == 0 and summary["inexact"] == []
-    if seeded:
-        assert differences(tmp_path / "first", tmp_path / "seed1"), "seeds 0 and 1: one run"
-        zero, one = records_by_step(tmp_path / "first"), records_by_step(tmp_path / "seed1")
-        # The warm-up and the base have seeds of their own: both start from the same policy.
-        assert zero[("eval", 0)] == one[("eval", 0)]
-        assert zero[("train", 1)]["reward/mean"] != one[("train", 1)]["reward/mean"]
-        assert json.loads((tmp_path / "seed1" / "summary.json").read_text())["seed"] == 1
 
 
 def test_the_plan_says_what_makes_a_run_inexact(cache: Path) -> None:

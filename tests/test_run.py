@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -21,6 +22,7 @@ from launcher.run_dir import group_alive
 from rl.core.records import is_eval, is_train
 from rl.core.rundir import RunDir
 from rl.queue.store import Store
+from tests.support.repro import records_by_step
 from tests.support.runs import (
     ROOT,
     SMALL,
@@ -322,14 +324,17 @@ def test_a_sweep_over_seeds_shares_its_base_and_groups_its_table(
     ]  # fmt: skip
     (base,) = (sweep / "bases").iterdir()  # one warm-up: one group of points shares it
     assert out.stdout.count("sweep base: warm-up, once for the points that share it") == 1
-    first_evals = set()
     for point in points:
         summary = json.loads((sweep / point / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["steps"] == 2
+        assert summary["seed"] == int(re.search(r"(?:^|,)seed=(\d+)", point)[1])
         config = (sweep / point / "config.yaml").read_text()
         assert f"path: {base / 'weights' / 'step_0'}" in config
-        first_evals.add(summary["eval/exact_match/first"])
-    assert len(first_evals) == 1  # every point starts from the same base
+    # Seeds 0 and 1 of one learning rate: two runs from one start (the same policy at
+    # version 0, the base's seeds being its own), sampling differently from the first batch.
+    zero, one = (records_by_step(sweep / point) for point in points[:2])
+    assert zero[("eval", 0)] == one[("eval", 0)]
+    assert zero[("train", 1)]["reward/mean"] != one[("train", 1)]["reward/mean"]
     table = (sweep / "sweep_summary.md").read_text()
     rows = [x for x in table.splitlines() if x[:3] in ("| 0", "| 1", "| 2", "| 3")]
     assert len(rows) == 4 and "`algorithm.lr=0.001 seed=0`" in rows[0]

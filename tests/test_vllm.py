@@ -119,6 +119,21 @@ def test_token_id_prompts_pass_through_unchanged(server: SimpleNamespace) -> Non
         assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
 
 
+def test_seeded_prompts_past_a_steps_token_budget_sample_as_when_alone(
+    server: SimpleNamespace,
+) -> None:
+    """Per-prompt seeds with more prompt tokens than vLLM's CPU scheduler takes in one step
+    (2048): the engine survives (a prefill split across steps would rewind a seeded request's
+    generator, which a CPU generator cannot), and each prompt samples what it samples alone."""
+    prompts = [[1, *(3 + (i + 7 * j) % 60 for j in range(40))] for i in range(64)]  # 64 x 4 x 41
+    seeds = list(range(100, 164))
+    sampling = {"n": 4, "max_tokens": 6, "temperature": 1.0, "logprobs": 1}
+    together = complete(server, prompt=prompts, seeds=seeds, **sampling)["choices"]
+    alone = complete(server, prompt=prompts[5:6], seeds=seeds[5:6], **sampling)["choices"]
+    assert [c["token_ids"] for c in together[20:24]] == [c["token_ids"] for c in alone]
+    assert len({tuple(c["token_ids"]) for c in together}) > 64  # sampled, not one answer
+
+
 @pytest.fixture(scope="module")
 def trained(cfg: DictConfig, server: SimpleNamespace) -> SimpleNamespace:
     """`weights/step_1`, trained far enough that greedy choices are not near-ties between two
