@@ -200,7 +200,7 @@ class Unit:
 
 
 def warm_up_once(first: DictConfig, sweep_dir: Path, token: str) -> Path:
-    """The first point's warm-up, alone, with every core (`base/`); returns the weights
+    """The first point's warm-up, its trainer alone (`base/`); returns the weights
     every point starts from."""
     return warm_up(first, RunDir(sweep_dir / BASE), token, "base")
 

@@ -5,12 +5,14 @@ once for the sweep, locally and on Slurm.
 The base's seeds are its own (`model.seed`, `warmup.seed`), so `rl -m seed=0,1,2` compares
 RL runs from one start instead of three starts. Points are grouped by a key over everything
 the warm-up reads (the model, the warm-up, the environment's examples, the trainer's layout
-and device, the cluster's threads); each group's base is a run directory of its own,
-`<sweep>/bases/<key>/`, holding the trainer's log and `weights/step_0`. Each point then
-starts from those weights (its config records `model.path` and `warmup.steps=0`):
+and device, the cluster's threads and the placement that splits them); each group's base is
+a run directory of its own, `<sweep>/bases/<key>/`, holding the trainer's log and
+`weights/step_0`. Each point then starts from those weights (its config records `model.path`
+and `warmup.steps=0`):
 
-- locally, the first point of a group warms its base up (the trainer alone, every core),
-  and the group's later points find it complete;
+- locally, the first point of a group warms its base up (its trainer alone, as the point's
+  run would), and the group's later points find it complete: a point is the run it would be
+  alone, bit for bit;
 - on Slurm, the first point of a group submits its base as one trainer job, and every point
   of the group is submitted to start after it (`--dependency=afterok:<job>`).
 
@@ -38,7 +40,9 @@ from rl.core.config import ClusterKind, WeightTransport
 from rl.core.rundir import BASES, RunDir, is_complete
 
 # What the warm-up reads: a point that differs from another here needs a base of its own.
-WARM_UP_READS = ("model", "warmup", "environment", "trainer", "parallel.trainer", "cluster")
+WARM_UP_READS = (
+    "model", "warmup", "environment", "trainer", "parallel.trainer", "cluster", "placement",
+)  # fmt: skip
 
 
 def shares_a_base(cfg: DictConfig) -> bool:
@@ -57,7 +61,9 @@ def base_key(cfg: DictConfig) -> str:
     read = {}
     for key in WARM_UP_READS:
         node = OmegaConf.select(cfg, key)
-        read[key] = OmegaConf.to_container(node, resolve=True) if node is not None else None
+        if isinstance(node, DictConfig):
+            node = OmegaConf.to_container(node, resolve=True)
+        read[key] = node
     read["model"].pop("lora", None)  # the warm-up trains every weight, adapter or not
     read["adam_eps"] = cfg.algorithm.adam_eps
     blob = json.dumps(read, sort_keys=True, default=str)
@@ -120,15 +126,16 @@ def submitted_base(cfg: DictConfig, run: RunDir) -> str | None:
 
 
 def warm_up(point: DictConfig, run: RunDir, token: str, label: str) -> Path:
-    """Run the warm-up of `point` (a sweep point's config) in `run`: the trainer alone, with
-    every core, publishing version 0 and stopping; returns the published weights. Progress
+    """Run the warm-up of `point` (a sweep point's config) in `run`: its trainer alone, as in
+    the point's run, publishing version 0 and stopping; returns the published weights. Progress
     lines are prefixed `label:`."""
     cfg = base_config(point)
     if not run.config.exists():
         run.create(cfg, token)
     trainer = next(p for p in plan(point).processes if p.role == "trainer")
-    threads = str(cfg.cluster.omp_threads or cfg.cluster.cpus_per_node)
-    env = {**os.environ, **trainer.env, "OMP_NUM_THREADS": threads, "RELAY_TOKEN": token}
+    # The threads the point's trainer has: a base warmed up with others would differ from the
+    # point's own warm-up in the last bits (a sum's order), and its run from the point's run.
+    env = {**os.environ, **trainer.env, "RELAY_TOKEN": token}
     values = {"RELAY_RUN_DIR": str(run.root)}
     print(f"{label}: warm-up, once for the points that share it: {run.root}", flush=True)
     child = spawn("trainer", "trainer", expand(trainer.argv, values), env, run.log("trainer"))

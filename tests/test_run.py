@@ -22,7 +22,7 @@ from launcher.run_dir import group_alive
 from rl.core.records import is_eval, is_train
 from rl.core.rundir import RunDir
 from rl.queue.store import Store
-from tests.support.repro import records_by_step
+from tests.support.repro import differences, records_by_step
 from tests.support.runs import (
     ROOT,
     SMALL,
@@ -335,6 +335,11 @@ def test_a_sweep_over_seeds_shares_its_base_and_groups_its_table(
     zero, one = (records_by_step(sweep / point) for point in points[:2])
     assert zero[("eval", 0)] == one[("eval", 0)]
     assert zero[("train", 1)]["reward/mean"] != one[("train", 1)]["reward/mean"]
+    # A point is the run it would be alone: its base warmed up as its own trainer would.
+    alone = run_to_end(tmp_path / "alone", cache, "max_steps=2", "algorithm.lr=1e-3", "seed=1",
+                       WANDB_MODE="disabled")  # fmt: skip
+    assert [r for r in alone if r["kind"] == "warmup"]  # warmed up itself
+    assert differences(sweep / points[1], tmp_path / "alone", ignore=("warmup",)) == []
     table = (sweep / "sweep_summary.md").read_text()
     rows = [x for x in table.splitlines() if x[:3] in ("| 0", "| 1", "| 2", "| 3")]
     assert len(rows) == 4 and "`algorithm.lr=0.001 seed=0`" in rows[0]

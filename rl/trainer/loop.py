@@ -163,7 +163,6 @@ class Trainer:
                     self.run_dir.append_metrics(done.to_json())
         if adapted:
             train_only(self.model, adapter=True)
-        torch.manual_seed(self.cfg.seed)  # back to the RL run's
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
     def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
@@ -350,6 +349,7 @@ class Trainer:
         if step:
             return step
         self.warmup()
+        torch.manual_seed(self.cfg.seed)  # the RL run's from here, warmed up here or not
         if self.cfg.algorithm.kl_coef > 0 and not lora_enabled(self.cfg.model):
             # The KL reference is the policy RL starts from: the weights after warm-up (with
             # LoRA: the same model with its adapter off, no copy).

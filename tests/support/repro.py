@@ -24,12 +24,16 @@ def timeless(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith(TIMING)}
 
 
-def records_by_step(run_dir: Path) -> dict[tuple[str, int], dict[str, Any]]:
+def records_by_step(
+    run_dir: Path, ignore: tuple[str, ...] = ()
+) -> dict[tuple[str, int], dict[str, Any]]:
     """Every record of the run by (kind, step), timing left out (the file's order is the order
-    in which roles happened to append)."""
+    in which roles happened to append), and records of the kinds in `ignore`."""
     found: dict[tuple[str, int], dict[str, Any]] = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
+        if record["kind"] in ignore:
+            continue
         key = (record["kind"], record["step"])
         assert key not in found, f"{run_dir}: {key} recorded twice"
         found[key] = timeless(record)
@@ -47,10 +51,10 @@ def weights_digest(run_dir: Path) -> tuple[int, str]:
     return version, digest.hexdigest()
 
 
-def differences(first: Path, second: Path) -> list[str]:
-    """How two runs differ (empty: they are the same run): records missing from either, each
-    field that differs, and the last published weights."""
-    a, b = records_by_step(first), records_by_step(second)
+def differences(first: Path, second: Path, ignore: tuple[str, ...] = ()) -> list[str]:
+    """How two runs differ (empty: they are the same run): records missing from either (of
+    kinds not in `ignore`), each field that differs, and the last published weights."""
+    a, b = records_by_step(first, ignore), records_by_step(second, ignore)
     found = [f"{key} only in {first}" for key in sorted(a.keys() - b.keys())]
     found += [f"{key} only in {second}" for key in sorted(b.keys() - a.keys())]
     for key in sorted(a.keys() & b.keys()):
