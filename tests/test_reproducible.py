@@ -31,8 +31,8 @@ LAYOUTS = {
         "model.lora.rank=8", "algorithm.lr=3e-3",
     ],
     "wordle": [
-        "environment=wordle", "model.inference.max_model_len=512", "max_steps=3",
-        "environment.eval_every=3",
+        "environment=wordle", "model.inference.max_model_len=512", "max_steps=2",
+        "environment.eval_every=2",
     ],
 }  # fmt: skip
 
