@@ -24,9 +24,10 @@ import torch
 
 from benchmarks.weight_update import LARGER, dir_bytes
 from rl.core import lora
+from rl.core.auth import token_auth
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer, publish_weights
 from rl.core.rundir import RunDir
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.runtime import wait_for_address
 from rl.trainer import lora as lora_trainer
 from rl.weights import lora as lora_weights
 from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
@@ -44,7 +45,7 @@ def measure(cfg, root: Path, repeats: int) -> dict[str, dict[str, float]]:
         times: dict[str, dict[str, list[float]]] = {
             kind: {"publish": [], "load": [], "mb": []} for kind in ("full", "adapter")
         }
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=600) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=600) as client:
             for step in range(repeats):
                 with torch.no_grad():  # a new policy: the adapter moves
                     for name, p in model.named_parameters():

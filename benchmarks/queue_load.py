@@ -36,7 +36,8 @@ from fastapi import FastAPI, Request
 
 from benchmarks.queue_throughput import raw_loopback_mb_per_s
 from rl.core import wire
-from rl.core.runtime import auth_headers, listen_socket, wait_for_address
+from rl.core.auth import token_auth
+from rl.core.runtime import listen_socket, wait_for_address
 from tests.support.runs import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 
@@ -52,6 +53,9 @@ class Shape:
     completion_tokens: int = 1536
 
 
+VOCAB = 150_000
+
+
 def make_push(batch: int, shape: Shape, rng: np.random.Generator) -> bytes:
     """Batch `batch` as one binary push body; group g's id is `batch * prompts + g`, written
     with the sample's index into the first two prompt tokens."""
@@ -59,12 +63,12 @@ def make_push(batch: int, shape: Shape, rng: np.random.Generator) -> bytes:
     for g in range(shape.prompts):
         samples = []
         for i in range(shape.group_size):
-            prompt = rng.integers(0, 150_000, shape.prompt_tokens, dtype=np.int32)
+            prompt = rng.integers(0, VOCAB, shape.prompt_tokens, dtype=np.int32)
             prompt[:2] = (batch * shape.prompts + g, i)
             samples.append(
                 {
                     "prompt_ids": prompt,
-                    "completion_ids": rng.integers(0, 150_000, shape.completion_tokens),
+                    "completion_ids": rng.integers(0, VOCAB, shape.completion_tokens),
                     "logprobs": -5 * rng.random(shape.completion_tokens, dtype=np.float32),
                     "reward": float(i % 2),
                     "advantage": float(i % 2) - 0.5,
@@ -96,6 +100,9 @@ def queue_config(shape: Shape, total_groups: int) -> list[str]:
         f"queue.capacity={total_groups}",
         "queue.max_request_mb=256",
         "algorithm.max_off_policy_steps=1000000",  # every group is version 0
+        # The queue checks ids and lengths against the run: a 150k vocabulary, long samples.
+        f"model.vocab_size={VOCAB}",
+        f"model.context_length={max(128, shape.prompt_tokens + shape.completion_tokens)}",
     ]
 
 
@@ -108,8 +115,8 @@ def start_queue(root: Path, shape: Shape, total_groups: int) -> tuple[subprocess
 def produce(url: str, batches: list[tuple[int, bytes]], resend: bool, load: Load,
             lock: threading.Lock) -> None:  # fmt: skip
     """Push each batch, then with `resend` the first again (a retry after a lost answer)."""
-    headers = {**auth_headers(TOKEN), "Content-Type": wire.CONTENT_TYPE}
-    with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+    headers = {"Content-Type": wire.CONTENT_TYPE}
+    with httpx.Client(base_url=url, headers=headers, auth=token_auth(TOKEN), timeout=120) as client:
         for number, body in batches + batches[:1] * resend:
             start = time.perf_counter()
             response = client.post("/push", params={"batch": number}, content=body)
@@ -127,8 +134,8 @@ def produce(url: str, batches: list[tuple[int, bytes]], resend: bool, load: Load
 def pull(url: str, rank: int, world: int, steps: int, deadline: float, load: Load,
          lock: threading.Lock) -> None:  # fmt: skip
     """Fetch this rank's shard of every step in order, as a trainer rank does."""
-    accept = {**auth_headers(TOKEN), "Accept": wire.CONTENT_TYPE}
-    with httpx.Client(base_url=url, headers=accept, timeout=120) as client:
+    accept = {"Accept": wire.CONTENT_TYPE}
+    with httpx.Client(base_url=url, headers=accept, auth=token_auth(TOKEN), timeout=120) as client:
         step = 0
         while step < steps and time.monotonic() < deadline:
             params = {"step": step, "rank": rank, "world": world, "wait": 10}

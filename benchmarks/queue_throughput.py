@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 from rl.core import wire
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.auth import token_auth
+from rl.core.runtime import wait_for_address
 from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
 
 GROUPS_PER_STEP = 8
@@ -52,6 +53,8 @@ def start_queue(run_dir: Path) -> subprocess.Popen[bytes]:
         f"environment.prompts_per_step={GROUPS_PER_STEP}",
         "queue.capacity=100000",
         "queue.max_request_mb=256",
+        "model.vocab_size=150000",  # the ids it pushes, and their length, fit the run
+        "model.context_length=1152",
         "algorithm.max_off_policy_steps=1000000",  # every group is version 0
     )
     return start_role("queue", write_run_dir(run_dir, cfg, TOKEN))
@@ -61,7 +64,7 @@ def bench_queue(
     url: str, bodies: list[bytes], content_type: str, accept: str, first_step: int
 ) -> dict[str, float]:
     latencies = []
-    with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=120) as client:
+    with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=120) as client:
         t0 = time.perf_counter()
         for body in bodies:
             start = time.perf_counter()

@@ -26,6 +26,7 @@ import httpx
 import torch
 
 from launcher.plan import vllm_args
+from rl.core.auth import token_auth
 from rl.core.model import (
     ensure_checkpoint,
     load_model,
@@ -33,7 +34,7 @@ from rl.core.model import (
     publish_weights,
 )
 from rl.core.rundir import RunDir
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.runtime import wait_for_address
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
 
@@ -65,7 +66,7 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
         publish, load, copy, broadcast = [], [], [], []
         sender = InferenceBroadcaster(run_dir, cfg, logging.getLogger("bench"))
         sender.publish(0, model)  # forms the group once, as a run's first update
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=600) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=600) as client:
             for step in range(1, repeats + 1):
                 with torch.no_grad():  # a new policy: every weight changes
                     for p in model.parameters():

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rl.core.auth import role_env
 from rl.core.rundir import RunDir
 from rl.core.runtime import NAME_ENV, die_with_parent
 
@@ -156,7 +157,7 @@ def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: 
         stdout=log_file,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**env, "PYTHONUNBUFFERED": "1", NAME_ENV: name},
+        env={**role_env(env, role), "PYTHONUNBUFFERED": "1", NAME_ENV: name},
         start_new_session=True,
         preexec_fn=_child_setup,
     )

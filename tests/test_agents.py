@@ -25,6 +25,7 @@ from rl.core.chat import ChatTemplate
 from rl.core.records import Episode
 from rl.inference.client import InferenceClient
 from rl.orchestrator.advantages import ADVANTAGES
+from rl.orchestrator.agent_proxy import AgentProxy
 from rl.orchestrator.agents import AgentEnvironment, Task
 from rl.orchestrator.scoring import score_group
 from tests.support.runs import ROOT, TOKEN, compose_run, embedded_server
@@ -262,10 +263,16 @@ def test_failing_agents_end_only_their_episode(server: Any, caplog: Any) -> None
     assert env.score(example, again.turns) == 0.5
 
 
-def test_a_program_agent_gets_its_endpoint_in_the_environment(server: Any, tmp_path: Path) -> None:
+def test_a_program_agent_gets_its_endpoint_in_the_environment(
+    server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its episode's endpoint and key, and none of the run's credentials."""
+    monkeypatch.setenv("RELAY_TOKEN", "the-run-token")  # as a role started by the launcher has
+    monkeypatch.setenv("RELAY_KEYS", "admin=k")
     script = tmp_path / "agent.py"
     script.write_text(
         "import json, os, openai\n"
+        "assert not {'RELAY_TOKEN', 'RELAY_KEYS'} & set(os.environ), 'run credentials leak'\n"
         "task = json.loads(os.environ['RELAY_TASK'])\n"
         "api = openai.OpenAI()\n"  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
         "api.chat.completions.create(model=os.environ['OPENAI_MODEL'],"
@@ -276,6 +283,47 @@ def test_a_program_agent_gets_its_endpoint_in_the_environment(server: Any, tmp_p
     (choice,) = play(env, server)
     assert env.score(env.train_examples()[0], choice.turns) == 0.75
     assert choice.turns.stats["turns"] == 1
+
+
+def test_an_episode_key_opens_its_own_open_session_only(server: Any) -> None:
+    """Each episode has its own key: another episode's key is refused (401), and a closed
+    episode's key opens nothing (404). A body larger than the served length could hold is
+    refused before it is read whole (413), and tools or tool calls not in OpenAI's shape are
+    a 400 naming them, not a 500."""
+    env = environment(server, None)
+    proxy = AgentProxy(server.client, server.tokenizer, 1024, env.args)
+    proxy.start()
+    sampling = {"temperature": 1.0, "max_tokens": 4, "n": 1}
+    (mine, my_key), (theirs, their_key) = proxy.open(sampling), proxy.open(sampling)
+    body = {"model": proxy.model_name, "messages": [{"role": "user", "content": "hello"}]}
+
+    def post(sid: str, key: str, payload: dict[str, Any]) -> httpx.Response:
+        url = f"{proxy.url}/s/{sid}/v1/chat/completions"
+        return httpx.post(url, json=payload, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    assert post(theirs, my_key, body).status_code == 401
+    assert post(theirs, their_key, body).status_code == 200
+    assert proxy.sessions[theirs][0].turns and not proxy.sessions[mine][0].turns
+    proxy.close(theirs)
+    assert post(theirs, their_key, body).status_code == 404
+    huge = {**body, "messages": [{"role": "user", "content": "x" * 8_000_000}]}
+    assert post(mine, my_key, huge).status_code == 413
+    malformed = {
+        "tools[0]": {**body, "tools": [{"type": "function", "function": "guess"}]},
+        "messages[1].tool_calls[0]": {
+            **body,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": ["guess"]},
+                {"role": "tool", "content": "ok", "tool_call_id": "1"},
+            ],
+        },
+    }
+    for param, payload in malformed.items():
+        response = post(mine, my_key, payload)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert post(mine, my_key, body).status_code == 200  # the episode goes on
+    proxy.close(mine)
 
 
 FAULTY = ROOT / "tests" / "agents" / "faulty_wordle.py"

@@ -26,6 +26,7 @@ import torch
 import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
+from rl.core.auth import decode_keys, derive, role_env, token_auth
 from rl.core.model import (
     encode_prompt,
     ensure_checkpoint,
@@ -34,10 +35,12 @@ from rl.core.model import (
     publish_weights,
 )
 from rl.core.paths import ROOT
-from rl.core.runtime import auth_headers, listen_socket
+from rl.core.rundir import write_checksums
+from rl.core.runtime import listen_socket
 from rl.inference.engine import Engine
 from rl.inference.generation import generate
 from rl.inference.server import build_app
+from rl.weights.base import BROADCAST_ROUTE
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support import inference
 from tests.support.inference import complete
@@ -173,7 +176,7 @@ def test_seeded_rows_ignore_batch_neighbours(tiny: tuple[Any, Any]) -> None:
 def test_server_health_and_completions(server: Any) -> None:
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "policy_version": -1}
+    assert health.json() == {"status": "ok", "policy_version": -1, "receiving": None}
     resp = complete(server.client, prompt=PROMPTS, n=4, max_tokens=12, logprobs=1)
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -204,7 +207,7 @@ def test_sleep_and_wake_up_keep_serving_the_same_weights(server: Any) -> None:
 def test_server_rejects_bad_requests(server: Any) -> None:
     no_token = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab"})
     assert no_token.status_code == 401
-    wrong = httpx.get(f"{server.url}/admin/version", headers=auth_headers("wrong"))
+    wrong = httpx.get(f"{server.url}/admin/version", headers={"Authorization": "Bearer wrong"})
     assert wrong.status_code == 401
     too_long = {"prompt": "ab", "max_tokens": 500}  # beyond the 128-token context
     for body in ({"prompt": []}, {"prompt": "ab", "n": 0}, too_long, {"max_tokens": 4}):
@@ -317,7 +320,7 @@ def crashing_server(tiny: tuple[Any, Any], cfg: DictConfig) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_a_dead_engine_fails_health_and_requests(crashing_server: str) -> None:
-    with httpx.Client(base_url=crashing_server, headers=auth_headers(TOKEN), timeout=30) as client:
+    with httpx.Client(base_url=crashing_server, auth=token_auth(TOKEN), timeout=30) as client:
         first = complete(client, prompt="ab", max_tokens=2)
         assert first.status_code == 503 and "engine thread died" in first.json()["detail"]
         for _ in range(200):  # the thread records why it died just after failing the request
@@ -366,6 +369,7 @@ def publish_as(server: Any, source: Path, version: int) -> Path:
     target = server.run_dir / "weights" / f"step_{version}"
     if not target.exists():
         shutil.copytree(source, target)
+        write_checksums(target)  # as the trainer records them
     return target
 
 
@@ -439,6 +443,42 @@ def test_broadcast_serves_what_the_same_weights_from_disk_serve(
     status = server.client.get("/admin/weights/broadcast").json()
     assert status == {"policy_version": 23, "receivers": 1, "group": group, "busy": False,
                       "error": None}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_only_the_trainers_announced_broadcast_is_taken(server: Any) -> None:
+    """A weight group hosted by someone else, at version 10^9: refused with the API or admin
+    key (401), and with the publish key unless the trainer announced that very update (403);
+    the server serves on, /health saying so. Each role's process holds only its keys."""
+    keys = derive(TOKEN)
+    body = {
+        "version": 10**9,
+        "member": "inference-0",
+        "group": {"host": "127.0.0.1", "port": 1, "world_size": 2, "backend": "gloo",
+                  "timeout_s": 60.0, "group": "not-the-trainers"},
+    }  # fmt: skip
+    before = server.client.get("/admin/version").json()["policy_version"]
+
+    def post(route: str, scope: str, payload: Any = None) -> httpx.Response:
+        auth = {"Authorization": f"Bearer {keys[scope]}"}
+        return httpx.post(f"{server.url}{route}", json=payload, headers=auth, timeout=30)
+
+    for scope in ("inference", "admin", "queue-push", "queue-pull"):
+        assert post(BROADCAST_ROUTE, scope, body).status_code == 401, scope
+    refused = post(BROADCAST_ROUTE, "publish", body)
+    assert refused.status_code == 403 and "broadcast refused" in refused.json()["detail"]
+    for route in ("/admin/load_weights", "/admin/sleep", "/admin/wake_up"):
+        assert post(route, "inference", {"version": 0}).status_code == 401  # an API client
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["policy_version"] == before and health["receiving"] is None
+    assert complete(server.client, prompt="ab", max_tokens=2).status_code == 200
+    env = role_env({"RELAY_TOKEN": TOKEN}, "orchestrator")
+    assert "RELAY_TOKEN" not in env
+    assert set(decode_keys(env["RELAY_KEYS"])) == {"inference", "admin", "queue-push"}
+    assert set(decode_keys(role_env({"RELAY_TOKEN": TOKEN}, "trainer")["RELAY_KEYS"])) == {
+        "publish",
+        "queue-pull",
+    }
 
 
 class MiscountingBroadcaster(InferenceBroadcaster):

@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rl.core.auth import token_auth
 from rl.core.model import ensure_checkpoint, load_model, publish_weights
-from rl.core.rundir import COMPLETE, RunDir, mark_complete
-from rl.core.runtime import auth_headers, read_address
+from rl.core.rundir import COMPLETE, RunDir, mark_complete, write_checksums
+from rl.core.runtime import read_address
 from rl.weights.broadcast import InferenceBroadcaster
 from rl.weights.published import (
     RefusedWeights,
@@ -37,6 +38,7 @@ def fake_step(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
     """A complete directory holding `tensors` as model.safetensors."""
     folder.mkdir(parents=True)
     save_file(tensors, folder / "model.safetensors")
+    write_checksums(folder)  # as the trainer records them
     mark_complete(folder)
     return folder
 
@@ -166,7 +168,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
             publish_weights(model, started.tokenizer, run.weights_for(version))
             (run.weights_for(version) / "model.safetensors").write_bytes(broken)
         url = read_address(started.run_dir, "inference-0")
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=60) as client:
             load(client, run.weights_for(SERVED), SERVED).raise_for_status()
             baseline = client.post("/v1/completions", json=GREEDY)
             baseline.raise_for_status()
@@ -193,8 +195,8 @@ def load(client: httpx.Client, path: Path | None, version: Any) -> httpx.Respons
         (SERVED, -7, "-7"),
         (None, -7, "-7"),
         (3, 3, "tensor model.norm.weight holds NaN or Inf"),
-        (4, 4, "not a readable safetensors file"),  # truncated
-        (5, 5, "not a readable safetensors file"),  # a pickle
+        (4, 4, "does not match the SHA-256 the trainer recorded"),  # truncated
+        (5, 5, "does not match the SHA-256 the trainer recorded"),  # a pickle
     ],
 )
 def test_a_refused_load_leaves_version_and_weights_serving(
@@ -283,7 +285,8 @@ def test_the_vllm_front_refuses_what_the_embedded_engine_refuses(tmp_path: Path)
     front = CheckedFront()
     front.load_weights = VllmFrontend.load_weights.__get__(front)  # the real methods
     front._load_weights = VllmFrontend._load_weights.__get__(front)
-    client = TestClient(build_app(front, TOKEN, tmp_path), headers=auth_headers(TOKEN))
+    admin = token_auth(TOKEN).header("/admin/load_weights")  # the orchestrator's admin key
+    client = TestClient(build_app(front, TOKEN, tmp_path), headers=admin)
     for body, status in [
         ({"version": 1, "path": str(run.weights_for(1))}, 200),
         ({"version": 2}, 400),  # NaN

@@ -27,10 +27,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from launcher.errors import PlanError
 from launcher.plan import plan
 from rl.core import lora
+from rl.core.auth import token_auth
 from rl.core.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
 from rl.core.records import is_train
-from rl.core.rundir import RunDir
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.rundir import RunDir, write_checksums
+from rl.core.runtime import wait_for_address
 from rl.inference import adapters
 from rl.inference.engine import CompletionJob, Engine, LoadJob
 from rl.trainer import lora as lora_trainer
@@ -227,7 +228,7 @@ def served(
             url = wait_for_address(run_dir, "inference-0", timeout=120)
         except TimeoutError:
             pytest.fail((run_dir / "inference.log").read_text()[-3000:])
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=60) as client:
             yield SimpleNamespace(
                 cfg=cfg, run_dir=run_dir, client=client, tokenizer=tokenizer,
                 first=first, second=second,
@@ -278,6 +279,7 @@ def test_an_adapter_that_does_not_fit_is_refused_and_nothing_changes(
     name = next(k for k in tensors if ".lora_A." in k)
     tensors[name] = torch.zeros(8, 100)  # the module takes 128 inputs
     save_file(tensors, weights)
+    write_checksums(weights.parent)  # as if the trainer had written it so
     response = load(served, 9)
     assert response.status_code == 400
     assert "do not fit its 128 -> " in response.json()["detail"]

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from omegaconf import DictConfig
 
-from rl.core.auth import bearer_guard
+from rl.core.auth import bearer_guard, derive
 from rl.core.chat import ChatTemplate, parse_turn
 from rl.core.model import build_char_tokenizer, encode_prompt, ensure_checkpoint, load_model
 from rl.core.runtime import wait_for_address
@@ -26,6 +26,7 @@ from tests.support import openai_checks
 from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
 
 TOKEN = "openai-test"
+API_KEY = derive(TOKEN)["inference"]  # what a client finds in <run dir>/api_key
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_official_client_against_the_embedded_server(
     server: str, check: Callable[[openai.OpenAI, str], None]
 ) -> None:
-    check(openai_checks.client(server, TOKEN), "tiny")
+    check(openai_checks.client(server, API_KEY), "tiny")
 
 
 @pytest.mark.slow

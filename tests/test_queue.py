@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl.core import wire
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.auth import token_auth
+from rl.core.runtime import wait_for_address
 from rl.queue.shards import micro_batches, partition
 from tests.support.runs import TOKEN as RL_TESTING_TOKEN
 from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
@@ -44,7 +45,7 @@ def start(run_dir: Path) -> SimpleNamespace:
     (run_dir / "addresses" / "queue.json").unlink(missing_ok=True)
     proc = start_role("queue", run_dir)
     url = wait_for_address(run_dir, "queue", timeout=60)
-    client = httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=30)
+    client = httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=30)
     return SimpleNamespace(proc=proc, url=url, client=client)
 
 
@@ -440,7 +441,7 @@ def test_many_producers_and_ranks_lose_and_repeat_nothing(tmp_path: Path) -> Non
     proc, url = start_loaded_queue(tmp_path, shape, steps * shape.prompts)
     try:
         load = run_load(url, bodies, ranks, steps, timeout_s=120)
-        with httpx.Client(base_url=url, headers=auth_headers(RL_TESTING_TOKEN)) as client:
+        with httpx.Client(base_url=url, auth=token_auth(RL_TESTING_TOKEN)) as client:
             again = {
                 (step, rank): served_pairs(
                     client.get(
@@ -461,3 +462,42 @@ def test_many_producers_and_ranks_lose_and_repeat_nothing(tmp_path: Path) -> Non
     assert max(sizes) - min(sizes) <= 1 and sum(len(p) for p in load.served.values()) == (
         steps * shape.prompts * shape.group_size
     )
+
+
+def test_a_push_that_does_not_fit_the_run_is_refused_whole(queue: Any) -> None:
+    """Token ids outside the model's vocabulary (64 here), a sample longer than the served
+    length (128), or JSON nested 200k deep: each a 422 naming it, nothing stored. An id the
+    vocabulary lacks would otherwise end the trainer at every try (IndexError)."""
+    outside = group(0)
+    outside["samples"][1]["completion_ids"][2] = 1000
+    longer = group(0, lengths=(3, 127))
+    cases = {
+        "token id 1000 is outside the model's vocabulary [0, 64)": {"groups": [outside]},
+        "129 tokens, above the run's served length 128": {"groups": [longer]},
+    }
+    for message, body in cases.items():
+        response = queue.client.post("/push", json=body)
+        assert response.status_code == 422 and message in response.json()["detail"], response.text
+    deep = b'{"groups": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    response = queue.client.post(
+        "/push", content=deep, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 422 and "nested too deeply" in response.json()["detail"]
+    stats = queue.client.get("/stats").json()
+    assert stats["depth"] == 0 and stats["rejected_bad"] == 3
+    assert push(queue, group(0)).status_code == 200  # the queue still serves
+
+
+def test_the_trainer_checks_its_batch_against_the_run() -> None:
+    """What reaches the trainer's batch is held to the same limits (the queue checked it)."""
+    from rl.core.records import RecordError, RunLimits, Sample
+
+    limits = RunLimits(vocab_size=64, max_len=16)
+    good = Sample([1, 2], [3, 63], [-1.0, -1.0], 0.0, 0.0, 0, 0)
+    limits.check(good, "ok")
+    bad_id = Sample([1, 2], [3, 64], [-1.0, -1.0], 0.0, 0.0, 0, 0)
+    with pytest.raises(RecordError, match="batch 3's sample 1: token id 64 is outside"):
+        limits.check(bad_id, "batch 3's sample 1")
+    long = Sample([1] * 10, [3] * 7, [-1.0] * 7, 0.0, 0.0, 0, 0)
+    with pytest.raises(RecordError, match="17 tokens, above the run's served length 16"):
+        limits.check(long, "s")

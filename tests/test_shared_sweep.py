@@ -23,10 +23,19 @@ import httpx
 import pytest
 
 from launcher.run_dir import group_alive
+from rl.core.auth import token_auth
 from rl.core.model import ensure_checkpoint, load_tokenizer
 from rl.core.records import is_train
-from rl.core.rundir import BASE, SERVICE, RunDir, mark_complete, point_name, shared_point
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.rundir import (
+    BASE,
+    SERVICE,
+    RunDir,
+    mark_complete,
+    point_name,
+    shared_point,
+    write_checksums,
+)
+from rl.core.runtime import wait_for_address
 from rl.inference.server import restored
 from rl.weights.published import RefusedWeights, loading_from, published_dir
 from tests.support.lora import adapted, check_shared_service
@@ -152,6 +161,7 @@ def _published(run: RunDir, version: int, adapter: bool) -> None:
     folder.mkdir(parents=True)
     if adapter:
         (folder / "adapter_config.json").write_text("{}")
+    write_checksums(folder)
     mark_complete(folder)
 
 
@@ -190,7 +200,7 @@ def shared_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleN
     proc = start_role("inference", run_dir, "--replica", "0")
     try:
         url = wait_for_address(run_dir, "inference-0", timeout=120)
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=60) as client:
             yield SimpleNamespace(
                 cfg=cfg, run_dir=run_dir, client=client, tokenizer=tokenizer,
                 first=adapted(cfg, seed=1), second=adapted(cfg, seed=2),

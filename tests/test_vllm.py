@@ -24,6 +24,7 @@ import pytest
 from omegaconf import DictConfig
 
 from launcher.run_dir import group_alive
+from rl.core.auth import derive
 from rl.core.model import (
     ensure_checkpoint,
     load_model,
@@ -76,7 +77,8 @@ def test_completions_with_logprobs(server: SimpleNamespace) -> None:
 def test_official_client_against_the_vllm_front(
     server: SimpleNamespace, check: Callable[[Any, str], None]
 ) -> None:
-    check(openai_checks.client(str(server.client.base_url).rstrip("/"), TOKEN), "tiny")
+    api_key = derive(TOKEN)["inference"]  # what <run dir>/api_key holds
+    check(openai_checks.client(str(server.client.base_url).rstrip("/"), api_key), "tiny")
 
 
 def test_an_agent_episode_through_the_proxy_keeps_vllms_tokens(server: SimpleNamespace) -> None:

@@ -22,7 +22,14 @@ from rl.core.model import (
     publish_weights,
 )
 from rl.core.rundir import COMPLETE, RunDir
-from rl.weights.sync import TensorSpec, WeightGroupSpec, WeightReceiver, WeightSender, buckets
+from rl.weights.sync import (
+    CorruptUpdate,
+    TensorSpec,
+    WeightGroupSpec,
+    WeightReceiver,
+    WeightSender,
+    buckets,
+)
 from tests.support.runs import compose_run
 
 
@@ -59,7 +66,28 @@ def receive_twice(spec: WeightGroupSpec, member: str, out: Any) -> None:
         failed = str(err)
     third: dict[str, torch.Tensor] = {}
     last = receiver.receive(lambda tensors: third.update((n, t.clone()) for n, t in tensors))
-    out.put(pickled((receiver.rank, first, got, failed, last, third)))
+    try:  # the sender's fourth update is altered on the way: its digest gives it away
+        receiver.receive(lambda tensors: dict(tensors))
+        corrupt = ""
+    except CorruptUpdate as err:
+        corrupt = str(err)
+    out.put(pickled((receiver.rank, first, got, failed, last, third, corrupt)))
+
+
+class AlteringSender(WeightSender):
+    """A sender whose buckets, once `alter` is set, arrive with one byte flipped (after it
+    hashed them): a transfer corrupted on the way."""
+
+    alter = False
+    sent_bytes = 0  # uint8 broadcasts since `alter` was set: the header, then the buckets
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        if self.alter and buffer.dtype == torch.uint8:
+            self.sent_bytes += 1
+            if self.sent_bytes == 2:  # the first bucket
+                buffer = buffer.clone()
+                buffer[0] ^= 1
+        super().broadcast(buffer)
 
 
 def pickled(result: Any) -> bytes:
@@ -79,7 +107,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_updates_arrive_bit_identical_over_gloo() -> None:
-    sender = WeightSender("127.0.0.1", "gloo", timeout_s=60)
+    sender = AlteringSender("127.0.0.1", "gloo", timeout_s=60)
     sender.bucket_bytes = 1024  # several buckets, and one tensor larger than a bucket
     spec = sender.new_group(receivers=2)
     ctx = mp.get_context("spawn")
@@ -92,13 +120,16 @@ def test_updates_arrive_bit_identical_over_gloo() -> None:
         sent = sender.send(5, updates(0))
         sender.send(6, updates(1))
         sender.send(7, updates(2))
+        sender.alter = True
+        sender.send(8, updates(3))
         results = [unpickled(out.get(timeout=120)) for _ in procs]
     finally:
         for proc in procs:
             proc.join(timeout=30)
     assert sorted(r[0] for r in results) == [1, 2]
     expected, last = updates(0), updates(2)
-    for _, first, got, failed, final, third in results:
+    for _, first, got, failed, final, third, corrupt in results:
+        assert "version 8: its bytes' SHA-256 is not the one the trainer sent" in corrupt
         assert first["version"] == 5 and final["version"] == 7
         assert first["bytes"] == sent > sum(bits(t).numel() for t in expected.values())
         assert first["tensors"] == len(expected) and failed == "load failed"

@@ -43,6 +43,60 @@ def template_for(tokenizer: Any) -> str:
     return CHATML if "<|im_start|>" in tokenizer.get_vocab() else PLAIN
 
 
+class ToolsError(ValueError):
+    """Tools or tool calls not in OpenAI's shape; `param` names the first bad one."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+TOOL_SHAPE = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+
+
+def check_tools(tools: Any) -> None:
+    """Refuse (ToolsError) tool declarations a template could not render."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ToolsError("tools", f"a list of tools, each {TOOL_SHAPE}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ToolsError(f"tools[{i}]", f"a tool is {TOOL_SHAPE}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ToolsError(f"tools[{i}].function.name", "a non-empty string")
+        if not isinstance(function.get("description", ""), str):
+            raise ToolsError(f"tools[{i}].function.description", "a string")
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict) or not isinstance(
+            parameters.get("properties", {}), dict
+        ):
+            raise ToolsError(f"tools[{i}].function.parameters", "a JSON schema object")
+
+
+def check_tool_calls(messages: list[dict[str, Any]]) -> None:
+    """Refuse (ToolsError) a message's `tool_calls` not in OpenAI's shape."""
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if calls is None:
+            continue
+        if not isinstance(calls, list):
+            raise ToolsError(f"messages[{i}].tool_calls", "a list of calls")
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ToolsError(
+                    f"messages[{i}].tool_calls[{j}]",
+                    'a call is {"id": ..., "type": "function", "function": {"name": ..., '
+                    '"arguments": "<JSON>"}}',
+                )
+            if not isinstance(function.get("arguments", ""), str | dict):
+                raise ToolsError(
+                    f"messages[{i}].tool_calls[{j}].function.arguments", "a JSON string"
+                )
+
+
 def tools_prompt(schemas: list[dict[str, Any]]) -> str:
     """Tool declarations and the call format, for a template that cannot render tools."""
     lines = "\n".join(json.dumps(s) for s in schemas)
@@ -73,6 +127,10 @@ class ChatTemplate:
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict] | None, generation: bool
     ) -> str:
+        """The conversation as the template writes it; ToolsError for tools or calls not in
+        OpenAI's shape."""
+        check_tools(tools)
+        check_tool_calls(messages)
         kwargs: dict[str, Any] = {}
         if tools and self.native_tools:
             kwargs["tools"] = tools

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.core.config import ModelConfig
-from rl.core.rundir import fsync_path, is_complete, mark_complete
+from rl.core.rundir import fsync_path, is_complete, mark_complete, write_checksums
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.ascii_lowercase + string.digits + " .,:;!?'-\n"
@@ -298,10 +298,12 @@ def publish_weights(
 
 
 def publish_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Have `write` fill a temporary directory, then make it `target` durably, COMPLETE last
-    (see publish_weights)."""
+    """Have `write` fill a temporary directory, record its files' checksums (what a server
+    verifies before it serves them), then make it `target` durably, COMPLETE last (see
+    publish_weights)."""
     tmp = target.with_name(f"{target.name}.tmp")
     write(tmp)
+    write_checksums(tmp)
     for file in sorted(tmp.rglob("*")):
         fsync_path(file)
     mark_complete(tmp, sync=True)

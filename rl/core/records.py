@@ -124,6 +124,35 @@ def _check_arrays(prompt: Any, completion: Any, logprobs: Any, where: str) -> No
 Array = list[int] | list[float] | np.ndarray
 
 
+def _top(ids: Any) -> int:
+    if isinstance(ids, np.ndarray):
+        return int(ids.max()) if ids.size else -1
+    return max(ids, default=-1)
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """What a sample must fit in this run: token ids inside the model's vocabulary, and no more
+    tokens than the served length. The queue checks every pushed sample against them and the
+    trainer every sample of its batch: a sample that does not fit would fail the trainer's
+    embedding lookup (or its memory) at every try."""
+
+    vocab_size: int
+    max_len: int
+
+    def check(self, sample: Sample, where: str) -> None:
+        """RecordError naming `where` if `sample` does not fit."""
+        if sample.tokens > self.max_len:
+            raise RecordError(
+                f"{where}: {sample.tokens} tokens, above the run's served length {self.max_len}"
+            )
+        top = max(_top(sample.prompt_ids), _top(sample.completion_ids))
+        if top >= self.vocab_size:
+            raise RecordError(
+                f"{where}: token id {top} is outside the model's vocabulary [0, {self.vocab_size})"
+            )
+
+
 @dataclass
 class Sample:
     """One completion (or multi-turn episode) with what the trainer needs to learn from it."""

@@ -5,7 +5,8 @@ the run's state here, on a shared filesystem on a cluster:
 
     config.yaml            the resolved run config (written once by the launcher)
     plan.json              the RunPlan: processes, jobs and the values derived for them
-    token                  the run's bearer token (mode 0600)
+    token                  the run's secret, its keys derived from it (mode 0600; rl/core/auth.py)
+    api_key                the key of the inference servers' OpenAI API, for clients (0600)
     overrides.json         the command-line overrides it was started (and resumed) with
     pids.json              local launcher: each role's process group id
     metrics.jsonl          one record per line, each with a `kind` (rl/core/records.py)
@@ -17,8 +18,10 @@ the run's state here, on a shared filesystem on a cluster:
     queue.sqlite           the rollout queue's store (and its -wal file)
     queue.marks.json       the store's high-water marks, to detect a store that lost commits
     rollouts/samples.jsonl samples kept for inspection
-    weights/step_N/        published policy versions (HF layout, COMPLETE written last)
+    weights/step_N/        published policy versions (HF layout, SHA256SUMS of its files, then
+                           COMPLETE written last)
     weights/BROADCAST      the newest version every server confirmed (broadcast transport)
+    weights/BROADCAST_NEXT the update the trainer is sending: version and weight group
     checkpoints/step_N/    DCP checkpoints (COMPLETE last); checkpoints/reference.pt
     control/               the supervisor's checkpoint request and the trainer's answer
     jobs.json, failure.json, complete, done/<role>, ended/, slurm/<job>/   Slurm runs
@@ -35,6 +38,7 @@ Torch-free (the launcher imports it). Writes that others read while a run is liv
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -48,10 +52,12 @@ from typing import Any
 # it may read the rest.
 COMPLETE = "COMPLETE"
 BROADCAST = "BROADCAST"
+BROADCAST_NEXT = "BROADCAST_NEXT"
 CONFIG = "config.yaml"
 PLAN = "plan.json"
 METRICS = "metrics.jsonl"
 TOKEN = "token"
+API_KEY = "api_key"
 STEP_PREFIX = "step_"
 
 
@@ -97,6 +103,44 @@ def mark_complete(folder: Path, sync: bool = False) -> None:
 
 def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE).exists()
+
+
+CHECKSUMS = "SHA256SUMS"
+"""In published weights: the SHA-256 of each of its files, recorded by the trainer."""
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the SHA-256 of every file under `folder` in its CHECKSUMS."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    sums = {str(p.relative_to(folder)): file_digest(p) for p in files}
+    (folder / CHECKSUMS).write_text(json.dumps(sums, indent=0))
+
+
+def checksum_problem(folder: Path) -> str | None:
+    """What is wrong with `folder`'s files against its CHECKSUMS (None: each file is as the
+    trainer recorded it, and no weights file is unrecorded)."""
+    try:
+        sums = json.loads((folder / CHECKSUMS).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{folder} has no readable {CHECKSUMS} ({type(exc).__name__}): not published whole"
+    unrecorded = [p.name for p in folder.glob("*.safetensors") if p.name not in sums]
+    if unrecorded:
+        return f"{folder / unrecorded[0]} is not among the files the trainer recorded"
+    for name, expected in sums.items():
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            return f"{path} is missing, or a symbolic link"
+        if file_digest(path) != expected:
+            return f"{path} does not match the SHA-256 the trainer recorded (corrupt or changed)"
+    return None
 
 
 KV_FILES = "kv"
@@ -206,9 +250,14 @@ class RunDir:
         self.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if plan_json is not None:
             self.plan.write_text(plan_json)
+        from rl.core.auth import derive
+
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
+        fd = os.open(self.root / API_KEY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(derive(token, ["inference"])["inference"])
 
     def token(self) -> str:
         return self.token_file.read_text().strip()
@@ -373,6 +422,20 @@ class RunDir:
     def record_broadcast(self, version: int) -> None:
         """Record that every inference server holds `version` (broadcast transport)."""
         write_atomic(self.weights / BROADCAST, str(version))
+
+    def announce_broadcast(self, version: int, group: str, host: str, port: int) -> None:
+        """Record the update the trainer is about to send: servers join only this group, for
+        only this version."""
+        self.weights.mkdir(parents=True, exist_ok=True)
+        update = {"version": version, "group": group, "host": host, "port": port}
+        write_atomic(self.weights / BROADCAST_NEXT, json.dumps(update))
+
+    def announced_broadcast(self) -> dict[str, Any] | None:
+        """The update the trainer announced last (None: none)."""
+        try:
+            return json.loads((self.weights / BROADCAST_NEXT).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
 
     def broadcast_version(self) -> int:
         """The newest version the trainer broadcast and every server confirmed, or -1."""

@@ -1,4 +1,4 @@
-"""What every role process shares: its arguments, logging, the run's config and token, and
+"""What every role process shares: its arguments, logging, the run's config and keys, and
 finding the other roles' servers.
 
 Roles find each other through the run directory (a shared filesystem on a cluster; its layout
@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 from omegaconf import OmegaConf
 
+from rl.core.auth import KEYS_ENV, TOKEN_ENV, ScopedAuth, decode_keys, derive
 from rl.core.config import RunConfig
 from rl.core.rundir import RunDir, write_atomic
 
-TOKEN_ENV = "RELAY_TOKEN"
 # How long a role waits for a peer's server to appear, or to come back after a restart.
 PEER_TIMEOUT_S = 900.0
 HOST_ENV = "RELAY_HOST"
@@ -94,15 +94,17 @@ def inference_names(cfg: RunConfig) -> list[str]:
     return [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
 
 
-def run_token(run_dir: Path) -> str:
-    token = os.environ.get(TOKEN_ENV)
-    if token:
-        return token
-    return RunDir(run_dir).token()
+def run_keys(run_dir: Path) -> dict[str, str]:
+    """This process's keys (rl/core/auth.py): those the launcher gave it, or, for a role
+    started by hand, every scope's from the run directory's token."""
+    if (given := os.environ.get(KEYS_ENV)) is not None:
+        return decode_keys(given)
+    return derive(os.environ.get(TOKEN_ENV) or RunDir(run_dir).token())
 
 
-def auth_headers(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+def run_auth(run_dir: Path) -> ScopedAuth:
+    """httpx authentication with this process's keys, each route sent with its scope's."""
+    return ScopedAuth(run_keys(run_dir))
 
 
 def write_address(run_dir: Path, name: str, host: str, port: int) -> None:

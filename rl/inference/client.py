@@ -17,10 +17,12 @@ from typing import Any
 
 import httpx
 
+from rl.core.auth import ScopedAuth, as_keys
 from rl.core.config import TimeoutsConfig
 from rl.core.records import Completion
 from rl.core.rundir import RunDir
-from rl.core.runtime import Peer, auth_headers, read_address
+from rl.core.runtime import Peer, read_address
+from rl.weights.base import RefusedVersion
 
 PROMPT_SEEDS = "seeds"
 """Relay's extension of the completions request: a seed per prompt."""
@@ -64,7 +66,7 @@ class InferenceClient:
 
     A server that stops answering is looked up again in the run directory; its requests go to
     the other servers meanwhile (or wait for it, when it is the only one), and once it answers
-    again it is given the newest published weights before it serves rollouts.
+    again it is given the version the others hold before it serves rollouts.
 
     A point of a sweep that shares inference finds the servers in the sweep's service
     directory (`service`) and is served there as `adapter`: its requests name it, its weights
@@ -75,7 +77,7 @@ class InferenceClient:
         self,
         run_dir: Path,
         names: list[str],
-        token: str,
+        auth: ScopedAuth | str,
         model: str,
         timeouts: TimeoutsConfig | None = None,
         adapter: str = "",
@@ -88,7 +90,9 @@ class InferenceClient:
         timeouts = timeouts or TimeoutsConfig()
         self.peer_s = timeouts.peer_s
         self.servers = [Peer(self.addresses, name, self.peer_s) for name in names]
-        self.http = httpx.Client(headers=auth_headers(token), timeout=timeouts.request_s)
+        if isinstance(auth, str):  # a run's token: every scope's keys
+            auth = ScopedAuth(as_keys(auth))
+        self.http = httpx.Client(auth=auth, timeout=timeouts.request_s)
         self.version = -1  # what every server should hold
         self.stale = [False] * len(names)  # missed a weight load while down
         self.locks = [threading.Lock() for _ in names]
@@ -133,11 +137,12 @@ class InferenceClient:
                     f"{server.url}/admin/version", params={"model": self.adapter}, timeout=5.0
                 )
                 held.raise_for_status()
-                if held.json()["policy_version"] != self.version or self.stale[i]:
-                    wanted = self.version if self.exact else RunDir(self.run_dir).newest_version()
-                    path = RunDir(self.run_dir).weights_for(wanted)
-                    self._post(i, "/admin/load_weights", self._load_body(path, wanted))
-                    self.log.info("%s is back: loaded version %d into it", server.name, wanted)
+                behind = held.json()["policy_version"] != self.version or self.stale[i]
+                if behind and self.version >= 0:
+                    path = RunDir(self.run_dir).weights_for(self.version)  # what the rest hold
+                    self._post(i, "/admin/load_weights", self._load_body(path, self.version))
+                    back = "%s is back: loaded version %d into it"
+                    self.log.info(back, server.name, self.version)
                 self.stale[i] = False
                 return True
             except httpx.TransportError:
@@ -239,10 +244,11 @@ class InferenceClient:
 
     def load_weights(self, path: Path, version: int) -> None:
         """Load `path` into every server that answers (waking them, if asleep); one that is
-        down gets the newest weights when it is back."""
+        down gets the newest weights when it is back. `RefusedVersion` when a server refuses
+        the version (400: it keeps the one it held, as do the others)."""
         if self.asleep:
             self.wake()
-        self.version = version
+        held, self.version = self.version, version
         for i, server in enumerate(self.servers):
             with self.locks[i]:
                 try:
@@ -250,6 +256,12 @@ class InferenceClient:
                 except httpx.TransportError as err:
                     self.log.warning("%s missed version %d (%r)", server.name, version, err)
                     self.stale[i] = True
+                except httpx.HTTPStatusError as err:
+                    if err.response.status_code != 400:
+                        raise
+                    self.version = held
+                    self.stale[:i] = [True] * i  # any that took it go back to `held`
+                    raise RefusedVersion(str(err)) from None
         if all(self.stale) and not any(self._revive(i) for i in range(len(self.servers))):
             # No server took the weights: wait for one, so that batches keep their version.
             self.call(0, "/admin/load_weights", self._load_body(path, version))

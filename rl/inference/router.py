@@ -31,16 +31,15 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rl.core.auth import bearer_guard
+from rl.core.auth import ScopedAuth, as_keys, scoped_guard
 from rl.core.derive import FILE_KV_CONNECTOR, kv_connector
 from rl.core.rundir import RunDir
 from rl.core.runtime import (
-    auth_headers,
     listen_socket,
     load_run_config,
     read_address,
     role_args,
-    run_token,
+    run_keys,
     server_host,
     setup_logging,
     start_heartbeat,
@@ -117,7 +116,7 @@ class Router:
         self,
         run_dir: Path,
         replica: int,
-        token: str,
+        keys: Any,
         logger: logging.Logger,
         kv_files: Path | None = None,
     ) -> None:
@@ -126,8 +125,10 @@ class Router:
         # new version loads, so it is dropped with every update.
         self.kv_files = kv_files
         self.names = {part: f"inference-{replica}-{part}" for part in ("prefill", "decode")}
-        self.headers = auth_headers(token)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
+        # Each call goes on with the key of its route's scope (rl/core/auth.py).
+        self.http = httpx.AsyncClient(
+            auth=ScopedAuth(as_keys(keys)), timeout=httpx.Timeout(REQUEST_TIMEOUT_S)
+        )
         self.gate = Gate()
         self.urls: dict[str, str] = {}
 
@@ -143,9 +144,7 @@ class Router:
 
     async def send(self, part: str, method: str, route: str, **kwargs: Any) -> httpx.Response:
         try:
-            return await self.http.request(
-                method, f"{self.url(part)}{route}", headers=self.headers, **kwargs
-            )
+            return await self.http.request(method, f"{self.url(part)}{route}", **kwargs)
         except httpx.TransportError as err:
             self.urls.pop(part, None)
             raise RouteError(503, {"error": f"{self.names[part]} unreachable: {err!r}"}) from err
@@ -194,7 +193,6 @@ class Router:
         request = self.http.build_request(
             "POST",
             f"{self.url('decode')}{route}",
-            headers=self.headers,
             json={**body, "kv_transfer_params": handover},
         )
         response = await self.http.send(request, stream=True)
@@ -265,8 +263,8 @@ def merge(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
     return merged
 
 
-def build_app(router: Router, token: str) -> FastAPI:
-    authorized = bearer_guard(token)
+def build_app(router: Router, keys: Any) -> FastAPI:
+    authorized = scoped_guard(as_keys(keys))
     guard = [Depends(authorized)]
     app = FastAPI(title="relay-inference (prefill/decode router)")
 
@@ -350,9 +348,9 @@ def main() -> None:
     start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     for part in ("prefill", "decode"):  # both instances up before this one is announced
         wait_for_address(args.run_dir, f"{name}-{part}", cfg.timeouts.ready_s)
-    token = run_token(args.run_dir)
+    keys = run_keys(args.run_dir)
     files = RunDir(args.run_dir).kv_files(name) if kv_connector(cfg) == FILE_KV_CONNECTOR else None
-    app = build_app(Router(args.run_dir, args.replica, token, logger, files), token)
+    app = build_app(Router(args.run_dir, args.replica, keys, logger, files), keys)
     sock = listen_socket(server_host(), 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

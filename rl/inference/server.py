@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rl.core.auth import bearer_guard
+from rl.core.auth import as_keys, scoped_guard
 from rl.core.config import RunConfig
 from rl.core.derive import max_model_len
 from rl.core.lora import ADAPTER_NAME, is_adapter_dir
@@ -27,7 +27,7 @@ from rl.core.rundir import RunDir, point_dirs, point_name
 from rl.core.runtime import (
     deterministic_cuda,
     listen_socket,
-    run_token,
+    run_keys,
     server_host,
     write_address,
 )
@@ -164,24 +164,27 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = None) -> Any:
+def build_app(engine: Engine, keys: Any, max_len: int, run_dir: Path | None = None) -> Any:
     """The HTTP routes; every handler awaits the engine thread's future, never the model.
+    Each route needs its scope's key of `keys` (a mapping, or the run's token: rl/core/auth.py).
     Weights load from `run_dir`'s published versions only (none without one)."""
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import JSONResponse
 
-    authorized = bearer_guard(token)
+    authorized = scoped_guard(as_keys(keys))
 
     # The OpenAPI description is served behind the token like every route but /health.
     app = FastAPI(title="relay-inference", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=body_limit(max_len, engine.max_batch_size))
     add_openai_routes(app, EngineBackend(engine, max_len), authorized)
+    receiving = add_routes(app, authorized, EmbeddedReceiver(engine), engine.logger, run_dir)
 
     @app.get("/health")
     async def health() -> Any:
         if reason := engine.failure():
             return JSONResponse({"status": "failed", "detail": reason}, status_code=503)
-        return {"status": "ok", "policy_version": engine.version}
+        # `receiving`: the version a broadcast is bringing in (generation pauses to copy it).
+        return {"status": "ok", "policy_version": engine.version, "receiving": receiving["version"]}
 
     @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
     async def openapi() -> dict:
@@ -191,8 +194,6 @@ def build_app(engine: Engine, token: str, max_len: int, run_dir: Path | None = N
     async def version(model: str = "") -> dict:
         """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
         return {"policy_version": engine.held(model)}
-
-    add_routes(app, authorized, EmbeddedReceiver(engine), engine.logger)
 
     @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
     async def load_weights(body: LoadWeightsRequest) -> dict:
@@ -261,7 +262,7 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
     # A restarted server: back on the newest policy (or each sweep point's) before it answers.
     for adapter, weights, version in restored(run_dir, cfg.inference.shared):
         engine.submit(LoadJob(weights, version, adapter=adapter))
-    app = build_app(engine, run_token(run_dir), max_model_len(cfg), run_dir)
+    app = build_app(engine, run_keys(run_dir), max_model_len(cfg), run_dir)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(

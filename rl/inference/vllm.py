@@ -37,7 +37,7 @@ import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from rl.core.auth import bearer_guard
+from rl.core.auth import as_keys, scoped_guard
 from rl.core.config import RunConfig
 from rl.core.derive import max_model_len
 from rl.core.lora import ADAPTER_NAME, is_adapter_dir
@@ -607,13 +607,14 @@ def _sample(
 
 
 def build_app(
-    front: VllmFrontend, token: str, run_dir: Path | None = None, openai: Any = None
+    front: VllmFrontend, keys: Any, run_dir: Path | None = None, openai: Any = None
 ) -> FastAPI:
-    """Relay's routes in front of vLLM; the OpenAI ones over `openai` (a VllmBackend)."""
-    authorized = bearer_guard(token)
+    """Relay's routes in front of vLLM; the OpenAI ones over `openai` (a VllmBackend). Each
+    route needs its scope's key of `keys` (a mapping, or the run's token: rl/core/auth.py)."""
+    authorized = scoped_guard(as_keys(keys))
 
     app = FastAPI(title="relay-inference (vllm)")
-    add_routes(app, authorized, front, front.logger)
+    receiving = add_routes(app, authorized, front, front.logger, run_dir)
     if openai is not None:
         add_openai_routes(app, openai, authorized)
 
@@ -621,7 +622,12 @@ def build_app(
     async def health() -> Any:
         if not front.ready.is_set():
             return JSONResponse({"status": "starting", "detail": "vLLM is restarting"}, 503)
-        return {"status": "ok", "policy_version": front.version, "backend": "vllm"}
+        return {
+            "status": "ok",
+            "policy_version": front.version,
+            "backend": "vllm",
+            "receiving": receiving["version"],
+        }
 
     @app.get("/admin/version", dependencies=[Depends(authorized)])
     async def version(model: str = "") -> dict:
@@ -728,10 +734,10 @@ def serve(
         vllm, load_tokenizer(checkpoint), cfg.model.name, logger, cfg.inference.shared, replica
     )
     front.ready.set()
-    from rl.core.runtime import run_token
+    from rl.core.runtime import run_keys
 
     openai = VllmBackend(front, max_model_len(cfg), cfg.model.vocab_size)
-    app = build_app(front, run_token(run_dir), run_dir, openai)
+    app = build_app(front, run_keys(run_dir), run_dir, openai)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

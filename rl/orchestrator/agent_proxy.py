@@ -4,12 +4,18 @@ rl/orchestrator/agents.py runs the user's agent per episode against `AgentProxy`
 holds: a loopback server in the orchestrator whose sessions (`Session`) turn an episode's chat
 requests into exact token sequences (the rules are in rl/orchestrator/agents.py's docstring and
 docs/agents.md), and send each model turn on to the run's inference servers as token ids.
+
+Each episode has a key of its own, valid for its session only and only while it is open: one
+agent cannot write into another's episode. A request's body is bounded by what the served
+length could hold (a larger one is refused, 413, before it is read whole), and its messages are
+rendered and tokenized off the event loop, so one large request delays no other episode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 import secrets
 import threading
@@ -20,8 +26,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from rl.core.auth import bearer_guard
-from rl.core.chat import ChatTemplate, parsed_arguments
+from rl.core.chat import (
+    ChatTemplate,
+    ToolsError,
+    check_tool_calls,
+    check_tools,
+    parsed_arguments,
+)
 from rl.core.records import Completion, Episode
 from rl.inference.generation import Sample
 from rl.inference.openai_api import (
@@ -130,8 +141,7 @@ class AgentProxy:
         self.template = ChatTemplate(tokenizer)
         self.tokenizer = tokenizer
         self.model_name = inference.model
-        self.key = secrets.token_urlsafe(24)
-        self.sessions: dict[str, tuple[Session, dict[str, Any]]] = {}
+        self.sessions: dict[str, tuple[Session, dict[str, Any], str]] = {}
         self.url = ""
         # Model turns wait on the inference servers in threads: one per concurrent episode, so
         # the servers see every open episode's turn at once and batch them.
@@ -152,34 +162,37 @@ class AgentProxy:
         while not server.started:
             time.sleep(0.02)
 
-    def open(self, sampling: dict[str, Any]) -> str:
-        sid = secrets.token_hex(12)
+    def open(self, sampling: dict[str, Any]) -> tuple[str, str]:
+        """A new episode's session: its id and its own key."""
+        sid, key = secrets.token_hex(12), secrets.token_urlsafe(24)
         deadline = time.monotonic() + self.args.episode_timeout_s
-        self.sessions[sid] = (Session(self.template, self.args.on_drift, deadline), sampling)
-        return sid
+        session = Session(self.template, self.args.on_drift, deadline)
+        self.sessions[sid] = (session, sampling, key)
+        return sid, key
 
     def close(self, sid: str) -> Session:
-        session, _ = self.sessions.pop(sid)
+        """End an episode's session: its key opens nothing from now on."""
+        session, _, _ = self.sessions.pop(sid)
         session.ended = True
         return session
 
     def app(self) -> FastAPI:
+        from rl.inference.server import BodyLimit, body_limit
+
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        app.add_middleware(BodyLimit, limit=body_limit(self.max_len, 1))
         install_errors(app)
-        guard = bearer_guard(self.key)
 
         @app.get("/s/{sid}/v1/models")
         async def models(sid: str, request: Request) -> dict[str, Any]:
-            guard(request)
-            self._session(sid)
+            self._session(sid, request)
             entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "relay"}
             entry["max_model_len"] = self.max_len
             return {"object": "list", "data": [entry]}
 
         @app.post("/s/{sid}/v1/chat/completions")
         async def chat(sid: str, body: ChatRequest, request: Request) -> Any:
-            guard(request)
-            return await self.turn(sid, body)
+            return await self.turn(sid, body, request)
 
         @app.post("/s/{sid}/v1/completions")
         async def completions(sid: str, request: Request) -> None:
@@ -196,13 +209,19 @@ class AgentProxy:
     def served(self) -> list[str]:
         return [self.model_name]
 
-    def _session(self, sid: str) -> tuple[Session, dict[str, Any]]:
+    def _session(self, sid: str, request: Request) -> tuple[Session, dict[str, Any]]:
+        """The open session `sid`, if the request holds its key (401 otherwise; 404 for a
+        session that is not open)."""
         if sid not in self.sessions:
             raise APIError(404, f"no open episode {sid!r} (ended, timed out, or never opened)")
-        return self.sessions[sid]
+        session, sampling, key = self.sessions[sid]
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+            raise APIError(401, "missing or wrong 'Authorization: Bearer <the episode's key>'")
+        return session, sampling
 
-    async def turn(self, sid: str, body: ChatRequest) -> Any:
-        session, sampling = self._session(sid)
+    async def turn(self, sid: str, body: ChatRequest, request: Request) -> Any:
+        session, sampling = self._session(sid, request)
         served_model(body, self)
         check_supported(body)
         if body.n != 1:
@@ -212,6 +231,11 @@ class AgentProxy:
                 raise APIError(400, f"the episode has had its {self.args.max_turns} model turns")
             messages = chat_messages(body.messages)
             tools = body.tools if body.tool_choice != "none" else None
+            try:  # before the session compares them with its history
+                check_tools(tools)
+                check_tool_calls(messages)
+            except ToolsError as err:
+                raise APIError(400, str(err), err.param) from None
             before = session.state()  # a turn that fails leaves the episode as it was
             try:
                 answer, result, ids, completion = await self._answer(
@@ -235,8 +259,9 @@ class AgentProxy:
         messages: list[dict[str, Any]],
         tools: list[dict] | None,
     ) -> tuple[dict[str, Any], Result, list[int], Completion]:
-        """One model turn: the prompt from the session, the sample, the chat answer."""
-        ids = session.prompt(messages, tools)
+        """One model turn: the prompt from the session (rendered and tokenized in a thread),
+        the sample, the chat answer."""
+        ids = await asyncio.to_thread(session.prompt, messages, tools)
         max_tokens = min(
             sampling["max_tokens"], body.max_completion_tokens or body.max_tokens or 1 << 30
         )

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl.core.auth import without_credentials
 from rl.core.paths import ROOT
 from rl.core.records import Episode
 from rl.envs import Environment, Example, check_args, make_environment
@@ -93,6 +94,7 @@ class Task:
     base_url: str
     """This episode's OpenAI base URL (it ends in /v1)."""
     api_key: str
+    """This episode's own key: it opens this session only, while the episode is open."""
     model: str
     prompt: str
     answer: str
@@ -164,7 +166,7 @@ def run_callable(agent: Any, task: Task, timeout: float) -> tuple[Any, str]:
 def run_command(argv: list[str], task: Task, timeout: float) -> tuple[Any, str]:
     """Run a program agent; its reward is the last line of its output (none when empty)."""
     env = {
-        **os.environ,
+        **without_credentials(os.environ),  # the episode's own key is all it gets
         "OPENAI_BASE_URL": task.base_url,
         "OPENAI_API_KEY": task.api_key,
         "OPENAI_MODEL": task.model,
@@ -300,9 +302,9 @@ class AgentEnvironment(Environment):
 
     def episode(self, example: Example, sampling: dict[str, Any]) -> Episode | None:
         assert self.proxy is not None
-        sid = self.proxy.open(sampling)
+        sid, key = self.proxy.open(sampling)
         task = Task(
-            f"{self.proxy.url}/s/{sid}/v1", self.proxy.key, self.proxy.model_name,
+            f"{self.proxy.url}/s/{sid}/v1", key, self.proxy.model_name,
             example.prompt, example.answer, dict(example.info), self.max_tokens,
         )  # fmt: skip
         timeout = self.args.episode_timeout_s

@@ -29,10 +29,9 @@ from rl.core.records import Episode, EvalRecord, Group, is_eval, is_rollout
 from rl.core.rundir import RunDir, drop_records, point_name, shared_service
 from rl.core.runtime import (
     Peer,
-    auth_headers,
     inference_names,
     load_run_config,
-    run_token,
+    run_auth,
     setup_logging,
 )
 from rl.core.seeds import prompt_seeds
@@ -80,20 +79,20 @@ class Orchestrator:
         self.cfg = cfg = load_run_config(run_dir)
         self.log = setup_logging("orchestrator")
         self.env: Environment = make_environment(cfg.environment)
-        token = run_token(run_dir)
+        auth = run_auth(run_dir)
         self.queue = Peer(run_dir, "queue", cfg.timeouts.peer_s)
         shared = cfg.inference.shared  # served by the sweep's inference, as this point
         self.inference = InferenceClient(
             run_dir,
             inference_names(cfg),
-            token,
+            auth,
             cfg.model.name,
             cfg.timeouts,
             adapter=point_name(Path(run_dir)) if shared else "",
             service=shared_service(Path(run_dir)) if shared else None,
             exact=exact_schedule(cfg),
         )
-        self.http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
+        self.http = httpx.Client(auth=auth, timeout=cfg.timeouts.request_s)
         self.version = -1
         self.last_eval = last_eval(self.run_dir)
         self.weights = make_waiter(cfg, run_dir, self.inference, self.log)

@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
+from rl.core.derive import max_model_len
+from rl.core.records import RunLimits
 from rl.core.rundir import RunDir
 from rl.core.runtime import (
     listen_socket,
     load_run_config,
     role_args,
-    run_token,
+    run_keys,
     server_host,
     setup_logging,
     start_heartbeat,
@@ -40,11 +42,12 @@ def main() -> None:
         raise SystemExit(f"queue: {err}") from None
     app = create_app(
         store,
-        run_token(args.run_dir),
+        run_keys(args.run_dir),
         groups_per_step=cfg.environment.prompts_per_step,
         max_off_policy=cfg.algorithm.max_off_policy_steps,
         capacity=cfg.queue.capacity,
         max_request_bytes=cfg.queue.max_request_mb * 2**20,
+        limits=RunLimits(cfg.model.vocab_size, max_model_len(cfg)),
     )
     sock = listen_socket(server_host(), cfg.queue.port)
     host, port = sock.getsockname()

@@ -5,7 +5,9 @@ The orchestrator pushes scored groups (`/push`, JSON or the binary wire format, 
 rl/core/records.py and stored before they are acknowledged; a full queue answers 429); each
 trainer rank long-polls `/batch` for its token-balanced shard of step N, packed into
 micro-batches (rl/queue/shards.py); `/stats` reports depth and counts. Every route but /health
-needs the run's bearer token.
+needs its key (rl/core/auth.py): the orchestrator's push key, the trainer's pull key. A pushed
+sample must fit the run (`RunLimits`: token ids in the vocabulary, no longer than the served
+length), or the push is refused whole.
 
 Handlers are async; anything that touches SQLite or walks a batch (sharding, packing, encoding)
 runs in a worker thread, so one large request never stalls the others.
@@ -23,9 +25,9 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 
 from rl.core import wire
-from rl.core.auth import bearer_guard
+from rl.core.auth import as_keys, scoped_guard
 from rl.core.config import DEFAULT_MICRO_BATCH_TOKENS
-from rl.core.records import INT64_MAX, Group, RecordError
+from rl.core.records import INT64_MAX, Group, RecordError, RunLimits
 from rl.queue.shards import micro_batches
 from rl.queue.store import Refused, Store
 
@@ -89,6 +91,7 @@ class Queue:
     max_off_policy: int
     capacity: int
     max_request_bytes: int
+    limits: RunLimits | None = None
     counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("accepted", "served", "rejected_full", "rejected_bad"), 0
@@ -98,15 +101,17 @@ class Queue:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def create_app(store: Store, token: str, groups_per_step: int, max_off_policy: int,
-               capacity: int, max_request_bytes: int) -> FastAPI:  # fmt: skip
-    """The queue's HTTP routes over `store`; every route but /health needs `token`."""
-    # The OpenAPI description is served behind the token like every route but /health.
+def create_app(store: Store, keys: Any, groups_per_step: int, max_off_policy: int,
+               capacity: int, max_request_bytes: int,
+               limits: RunLimits | None = None) -> FastAPI:  # fmt: skip
+    """The queue's HTTP routes over `store`; every route but /health needs its scope's key of
+    `keys` (a mapping, or the run's token); pushed samples must fit `limits`."""
+    # The OpenAPI description is served behind a key like every route but /health.
     app = FastAPI(
         title="Relay rollout queue", version="1", openapi_url=None, docs_url=None, redoc_url=None
     )
-    queue = Queue(store, groups_per_step, max_off_policy, capacity, max_request_bytes)
-    guard = [Depends(bearer_guard(token))]
+    queue = Queue(store, groups_per_step, max_off_policy, capacity, max_request_bytes, limits)
+    guard = [Depends(scoped_guard(as_keys(keys)))]
     add_health(app)
     add_push(app, queue, guard)
     add_batch(app, queue, guard)
@@ -134,7 +139,9 @@ def add_push(app: FastAPI, queue: Queue, guard: list[Any]) -> None:
         body = await _read_limited(request, queue.max_request_bytes)
         content_type = request.headers.get("content-type", "")
         try:
-            groups, stored = await asyncio.to_thread(_parse_groups, body, content_type)
+            groups, stored = await asyncio.to_thread(
+                _parse_groups, body, content_type, queue.limits
+            )
         except HTTPException:
             queue.counts["rejected_bad"] += 1
             raise
@@ -262,10 +269,12 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse_groups(body: bytes, content_type: str) -> tuple[list[Group], bytes]:
-    """Validate pushed groups (rl/core/records.py), and encode them as they are stored (only the
-    checked fields; a binary body keeps its arrays as sent). Any problem is a 4xx that names
-    it, and nothing is stored."""
+def _parse_groups(
+    body: bytes, content_type: str, limits: RunLimits | None = None
+) -> tuple[list[Group], bytes]:
+    """Validate pushed groups (rl/core/records.py) and that they fit the run (`limits`), and
+    encode them as they are stored (only the checked fields; a binary body keeps its arrays as
+    sent). Any problem is a 4xx that names it, and nothing is stored."""
     binary = content_type.startswith(wire.CONTENT_TYPE)
     if binary:
         try:
@@ -280,6 +289,8 @@ def _parse_groups(body: bytes, content_type: str) -> tuple[list[Group], bytes]:
             data = json.loads(body)
         except ValueError as err:
             raise HTTPException(422, f"body is not JSON: {err}") from err
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise HTTPException(422, "body is nested too deeply to be groups") from None
     else:
         raise HTTPException(415, f"content type must be application/json or {wire.CONTENT_TYPE}")
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
@@ -289,6 +300,10 @@ def _parse_groups(body: bytes, content_type: str) -> tuple[list[Group], bytes]:
             Group.parse(group, f"groups[{i}]", check_arrays)
             for i, group in enumerate(data["groups"])
         ]
+        if limits is not None:
+            for i, group in enumerate(groups):
+                for j, sample in enumerate(group.samples):
+                    limits.check(sample, f"groups[{i}].samples[{j}]")
     except RecordError as err:
         raise HTTPException(422, str(err)) from err
     checked = [g.to_dict() for g in groups]

@@ -18,18 +18,17 @@ import torch
 import torch.distributed as dist
 
 from rl.core import wire
-from rl.core.derive import ParallelDims, learning_rate, trainer_dims
+from rl.core.derive import ParallelDims, learning_rate, max_model_len, trainer_dims
 from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import targets as lora_targets
 from rl.core.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
-from rl.core.records import BatchShard, Sample, TrainRecord, WarmupRecord, is_train
+from rl.core.records import BatchShard, RunLimits, Sample, TrainRecord, WarmupRecord, is_train
 from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.core.runtime import (
     CHECKPOINT_ON_TERM_ENV,
     Peer,
-    auth_headers,
     load_run_config,
-    run_token,
+    run_auth,
     setup_logging,
 )
 from rl.envs import make_environment
@@ -167,7 +166,8 @@ class Trainer:
 
     def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
         """This rank's shard of step `step`: long-polls until the queue has assembled it, for
-        at most `timeouts.batch_s`, then fails saying what it waited for."""
+        at most `timeouts.batch_s`, then fails saying what it waited for. Each sample is checked
+        against the run (the queue checked it when it was pushed): a RecordError naming it."""
         deadline = time.monotonic() + self.cfg.timeouts.batch_s
         params = {
             "step": step,
@@ -182,7 +182,11 @@ class Trainer:
             )
             if response.status_code == 200:
                 groups, meta = wire.decode(response.content)
-                return BatchShard.from_wire(meta, groups[0]["samples"])
+                shard = BatchShard.from_wire(meta, groups[0]["samples"])
+                limits = RunLimits(self.cfg.model.vocab_size, max_model_len(self.cfg))
+                for i, sample in enumerate(shard.samples):
+                    limits.check(sample, f"batch {step}, rank {self.rank}'s sample {i}")
+                return shard
             if response.status_code != 204:
                 response.raise_for_status()
             if time.monotonic() > deadline:
@@ -392,8 +396,7 @@ class Trainer:
         if cfg.max_steps == 0:  # the warm-up alone: a shared-inference sweep's base
             self.log.info("done: warm-up only, version 0 published")
             return
-        token = run_token(self.run_dir.root)
-        http = httpx.Client(headers=auth_headers(token), timeout=cfg.timeouts.request_s)
+        http = httpx.Client(auth=run_auth(self.run_dir.root), timeout=cfg.timeouts.request_s)
         queue = Peer(self.run_dir.root, "queue", cfg.timeouts.peer_s)
         for step in range(first, cfg.max_steps):
             if self.stop_requested():

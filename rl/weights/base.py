@@ -19,6 +19,11 @@ BROADCAST_ROUTE = "/admin/weights/broadcast"
 MAX_STATUS_WAIT_S = 30.0
 
 
+class RefusedVersion(RuntimeError):
+    """Inference refused to load a published version (corrupt, truncated, a symbolic link,
+    non-finite): it keeps serving the version it held, and the orchestrator skips this one."""
+
+
 class WeightPublisher(ABC):
     """Trainer rank 0's end: makes policy version N available to inference."""
 

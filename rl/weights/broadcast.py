@@ -30,7 +30,7 @@ from rl.core.config import RunConfig
 from rl.core.derive import broadcast_backend, inference_backend
 from rl.core.model import inference_state
 from rl.core.rundir import RunDir
-from rl.core.runtime import Peer, auth_headers, inference_names, run_token, server_host
+from rl.core.runtime import Peer, inference_names, run_auth, server_host
 from rl.weights import lora
 from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S, WeightPublisher
 from rl.weights.sync import WeightGroupSpec, WeightSender
@@ -45,7 +45,7 @@ class InferenceBroadcaster:
         self.timeout_s = float(cfg.inference.broadcast_timeout_s)
         self.sender = WeightSender(server_host(), str(broadcast_backend(cfg)), self.timeout_s)
         self.servers = [Peer(run_dir, name) for name in inference_names(cfg)]
-        self.http = httpx.Client(headers=auth_headers(run_token(run_dir)), timeout=60.0)
+        self.http = httpx.Client(auth=run_auth(run_dir), timeout=60.0)
         self.spec: WeightGroupSpec | None = None
         # vLLM loads checkpoint-format tensors; the embedded engine holds the module's layout.
         self.checkpoint_layout = inference_backend(cfg) == "vllm"
@@ -70,6 +70,8 @@ class InferenceBroadcaster:
                 raise RuntimeError(f"weight broadcast: no receivers on {'; '.join(broken)}")
             self.spec = self.sender.new_group(sum(counts.values()))
         body = {"version": version, "group": asdict(self.spec)}
+        spec = self.spec
+        self.run_dir.announce_broadcast(version, spec.group, spec.host, spec.port)
         for server in self.servers:
             response = self._request(server, "POST", json={**body, "member": server.name})
             if response.status_code != 200:

@@ -18,7 +18,7 @@ from typing import Any
 from rl.core.model import publish_weights
 from rl.core.rundir import BROADCAST, RunDir, is_complete
 from rl.weights import lora
-from rl.weights.base import VersionWaiter, WeightPublisher
+from rl.weights.base import RefusedVersion, VersionWaiter, WeightPublisher
 
 POLL_S = 0.01  # how often inference looks for a new version while it waits for one
 
@@ -55,14 +55,19 @@ class FilesystemWaiter(VersionWaiter):
     ) -> None:
         self.run_dir, self.inference, self.log = RunDir(run_dir), inference, log
         self.timeout_s, self.exact = timeout_s, exact
+        self.refused: set[int] = set()
 
     def wait(self, minimum: int, held: int) -> int:
+        """The version loaded for a batch that needs `minimum`. A version inference refused
+        (`RefusedVersion`) is logged and skipped: generation goes on with the version held
+        (older by as many steps as were refused; the queue's staleness bound still applies)
+        until a later one loads."""
         started = time.monotonic()
         newest = wait_for_version(
             self.run_dir.newest_version, minimum, self.timeout_s, self.run_dir.weights, POLL_S
         )
         wanted = minimum if self.exact else newest
-        if wanted == held:
+        if wanted == held or (wanted in self.refused and held >= 0):
             return held
         if not is_complete(self.run_dir.weights_for(wanted)):
             raise RuntimeError(
@@ -70,7 +75,17 @@ class FilesystemWaiter(VersionWaiter):
                 f"newest is {newest}): trainer.keep_weights kept too few for the schedule"
             )
         t0 = time.monotonic()
-        self.inference.load_weights(self.run_dir.weights_for(wanted), wanted)
+        try:
+            self.inference.load_weights(self.run_dir.weights_for(wanted), wanted)
+        except RefusedVersion as err:
+            if held < 0:  # nothing served yet: nothing to go on with
+                raise
+            self.refused.add(wanted)
+            self.log.warning(
+                "version %d refused by inference, skipped: generating with version %d until a "
+                "later one loads (%s)", wanted, held, err,
+            )  # fmt: skip
+            return held
         seconds = time.monotonic() - t0
         self.load_s += seconds
         self.log.info(

@@ -2,7 +2,8 @@
 
 `/admin/load_weights` is an admin route, but what it is asked to load must still be a policy
 this run published: a path outside the run (or a symbolic link out of it), a version nobody
-published, a truncated or corrupt file, or a tensor
+published, a file unlike the SHA-256 the trainer recorded (SHA256SUMS), a truncated or corrupt
+file, or a tensor
 holding NaN or Inf would otherwise become the served policy (NaN weights make the server sample
 pad tokens with null logprobs while reporting the version as healthy). Each such request is
 refused with `RefusedWeights` (answered 400) before anything changes: the server keeps serving
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rl.core.rundir import RunDir, is_complete, shared_point
+from rl.core.rundir import RunDir, checksum_problem, is_complete, shared_point
 
 
 class RefusedWeights(ValueError):
@@ -50,6 +51,8 @@ def published_dir(run_dir: Path | None, version: Any, path: Any = None) -> Path:
             f"version {version} is not published in {layout.weights} (no complete {expected.name};"
             f" published: {published[-5:]})"
         )
+    if problem := checksum_problem(real):
+        raise RefusedWeights(problem)
     return real
 
 

@@ -10,7 +10,9 @@ code moves the same bytes over either.
 One update on the wire: the header's length (int64), the header (JSON: version, then name,
 dtype and shape of every tensor), then the tensors' bytes in buckets of at most
 `BUCKET_BYTES` (a larger tensor travels alone, straight from its own memory), each tensor at a
-16-byte-aligned offset. Both
+16-byte-aligned offset, then the SHA-256 of every bucket's bytes (32 bytes) that the sender
+computed as it sent them: the receiver computes its own as they arrive and refuses an update
+whose digest differs (`CorruptUpdate`). Both
 ends derive the bucket layout from the header, so only bytes travel: every dtype (bfloat16,
 fp8, integers) arrives bit-identical, and memory stays bounded by a bucket on the sender and
 by what the consumer keeps on the receiver (vLLM loads layer by layer).
@@ -21,6 +23,7 @@ its workers, inside vLLM's own environment.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -38,6 +41,18 @@ import torch.distributed as dist
 # with 2-4 MB).
 BUCKET_BYTES = {"nccl": 256 << 20, "gloo": 4 << 20}
 ALIGN = 16  # bytes: any dtype can be viewed at such an offset
+DIGEST_BYTES = 32  # SHA-256
+
+
+class CorruptUpdate(ValueError):
+    """An update whose bytes are not those the sender sent (its digest differs)."""
+
+
+def _hash(digest: Any, flat: torch.Tensor) -> None:
+    """Add a bucket's bytes to `digest` (a GPU bucket is copied to host memory first)."""
+    digest.update(memoryview(flat.cpu().numpy()))
+
+
 BACKENDS = ("gloo", "nccl")
 POLL_S = 0.05
 
@@ -208,6 +223,7 @@ class WeightSender(_Member):
         self.broadcast(torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device))
         values = list(tensors.values())
         index, total = 0, 0
+        digest = hashlib.sha256()
         for size, offsets in buckets(specs, self.bucket_bytes):
             alone = values[index]
             if len(offsets) == 1 and alone.is_contiguous() and alone.device == self.device:
@@ -218,8 +234,11 @@ class WeightSender(_Member):
                     raw = _as_bytes(values[index + k])
                     flat[offset : offset + raw.numel()].copy_(raw)
             self.broadcast(flat)
+            _hash(digest, flat)
             index += len(offsets)
             total += size
+        trailer = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+        self.broadcast(trailer.to(self.device))
         return total
 
 
@@ -243,32 +262,54 @@ class WeightReceiver(_Member):
     def receive(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]) -> dict:
         """Take one update, handing its tensors to `load` as they arrive; returns the version,
         tensor count and bytes. What `load` leaves unread is still received, so the group stays
-        in step when it fails (its error is raised after)."""
+        in step when it fails (its error is raised after). `CorruptUpdate` when the bytes'
+        digest is not the sender's: `load` has then seen tensors it must not keep."""
         size = self.empty(1, torch.int64)
         self.broadcast(size)
         encoded = self.empty(int(size.item()))
         self.broadcast(encoded)
         header = json.loads(encoded.cpu().numpy().tobytes())
         specs = [TensorSpec(n, d, tuple(s)) for n, d, s in header["tensors"]]
-        stream = self._tensors(specs, header["bucket_bytes"])
+        digest = hashlib.sha256()
+        stream = self._tensors(specs, header["bucket_bytes"], digest)
         try:
             load(stream)
         finally:
             for _ in stream:
                 pass
+            trailer = self.empty(DIGEST_BYTES)
+            self.broadcast(trailer)
+        if bytes(trailer.cpu().numpy()) != digest.digest():
+            raise CorruptUpdate(
+                f"broadcast of version {header['version']}: its bytes' SHA-256 is not the one "
+                "the trainer sent (corrupted on the way): refused"
+            )
         nbytes = sum(size for size, _ in buckets(specs, header["bucket_bytes"]))
         return {"version": header["version"], "tensors": len(specs), "bytes": nbytes}
 
-    def _tensors(self, specs: list[TensorSpec], limit: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(
+        self, specs: list[TensorSpec], limit: int, digest: Any
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         index = 0
         for size, offsets in buckets(specs, limit):
             flat = self.empty(size)  # a fresh buffer each time: the consumer may keep views
             self.broadcast(flat)
+            _hash(digest, flat)
             for offset in offsets:
                 spec = specs[index]
                 raw = flat[offset : offset + spec.nbytes]
                 yield spec.name, raw.view(_dtype(spec.dtype)).view(spec.shape)
                 index += 1
+
+
+def finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, each checked for NaN and Inf before it is passed on (a ValueError naming
+    the first that holds one)."""
+    for name, tensor in tensors:
+        values = tensor.to(torch.float16) if tensor.element_size() == 1 else tensor
+        if tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
+            raise ValueError(f"broadcast tensor {name} holds NaN or Inf: refused")
+        yield name, tensor
 
 
 class VllmWorkerExtension:
@@ -291,7 +332,7 @@ class VllmWorkerExtension:
         if receiver is None:
             raise RuntimeError("receive_weights before init_weight_group")
         reload = self.reload_weights  # type: ignore[attr-defined]  # vLLM's Worker method
-        header = receiver.receive(lambda tensors: reload(weights_iterator=tensors))
+        header = receiver.receive(lambda tensors: reload(weights_iterator=finite(tensors)))
         self.repack_held_weights()
         return header
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from omegaconf import DictConfig
 
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.auth import token_auth
+from rl.core.runtime import wait_for_address
 from tests.support.runs import TOKEN, start_role, stop_role, write_run_dir
 
 
@@ -36,7 +37,7 @@ def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathF
             url = wait_for_address(run_dir, "inference-0", timeout=120)
         except TimeoutError:
             pytest.fail((run_dir / "inference.log").read_text())
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=60) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=60) as client:
             yield SimpleNamespace(client=client, url=url, run_dir=run_dir, proc=proc)
     finally:
         stop_role(proc)

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from launcher.processes import expand
 from launcher.vllm_args import PD_INSTANCES, vllm_args
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.auth import token_auth
+from rl.core.runtime import wait_for_address
 from tests.support.runs import start_role, stop_role, write_run_dir
 
 TOKEN = "pd-test"
@@ -61,7 +62,7 @@ def pd_replica(
                 logs = [(run_dir / f"{r}.log").read_text()[-3000:] for r in ("inference", "router")]
                 pytest.fail("\n".join(logs))
         clients = {
-            name: httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=300)
+            name: httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=300)
             for name, url in urls.items()
         }
         yield SimpleNamespace(

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from launcher.vllm_args import vllm_args
+from rl.core.auth import token_auth
 from rl.core.model import (
     encode_prompt,
     ensure_checkpoint,
@@ -23,7 +24,7 @@ from rl.core.model import (
     load_tokenizer,
     publish_weights,
 )
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.runtime import wait_for_address
 from rl.envs import make_environment
 from rl.inference.generation import generate
 from rl.trainer.batches import pad_batch, token_logprobs
@@ -94,7 +95,7 @@ def vllm_server(cfg: DictConfig, run_dir: Path) -> Iterator[SimpleNamespace]:
             url = wait_for_address(run_dir, "inference-0", timeout=600)
         except TimeoutError:
             pytest.fail((run_dir / "inference.log").read_text()[-3000:])
-        with httpx.Client(base_url=url, headers=auth_headers(TOKEN), timeout=300) as client:
+        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=300) as client:
             yield SimpleNamespace(client=client, run_dir=run_dir, proc=proc)
     finally:
         stop_role(proc)
