@@ -7,13 +7,18 @@ the same test, to show that nothing was harmed and nothing of the attack is left
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rl.envs.code_repair import sandbox
+from rl.envs.code_repair import sandbox, syscalls
+from tests.support.runs import ROOT
 
 PY = "/usr/bin/python3"
 LIMITS = sandbox.Limits(wall_s=5.0, cpu_s=3, memory_mb=256, processes=16)
@@ -156,3 +161,77 @@ def test_a_huge_file_is_cut_by_the_file_size_limit(workdir: Path) -> None:
 def test_output_is_capped(workdir: Path) -> None:
     result = run_python(workdir, "print('y' * 500_000)", sandbox.Limits(output_kb=4))
     assert result.returncode == 0 and len(result.stdout) == 4096
+
+
+@pytest.fixture
+def host_file() -> Iterator[Path]:
+    """A file anyone may read, in the checkout (outside /tmp, which the run never saw)."""
+    parent = ROOT / ".pytest_cache"
+    parent.mkdir(exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="relay-host-file-", dir=parent)
+    os.write(fd, b"host text")
+    os.close(fd)
+    os.chmod(name, 0o644)
+    yield Path(name)
+    os.unlink(name)
+
+
+LOOK = (
+    "import os, sys\n"
+    "print(os.getcwd(), *sorted(os.listdir('/tmp')), *sorted(os.listdir('/etc')))\n"
+    "print(*sorted(os.listdir('/')))\n"
+    "for path in sys.argv[1:]:\n"
+    "    try:\n"
+    "        found = open(path).read() if os.path.isfile(path) else os.listdir(path)\n"
+    "        print('found', path, found)\n"
+    "    except OSError as err:\n        print('refused', path, err.strerror)\n"
+)
+
+
+def test_the_run_sees_its_directory_and_the_system_only(workdir: Path, host_file: Path) -> None:
+    """A file anyone may read in the checkout, the checkout and /etc/passwd do not exist for the
+    run; it works in /tmp/work, and /tmp and /etc hold nothing else."""
+    host = [host_file, ROOT / "README.md", ROOT, Path("/etc/passwd")]
+    assert all(path.exists() for path in host)
+    (workdir / "main.py").write_text(LOOK)
+    result = sandbox.run([PY, "-I", "main.py", *map(str, host)], workdir, LIMITS)
+    cwd, root, *lines = result.stdout.splitlines()
+    assert cwd == "/tmp/work work ld.so.cache", result
+    system = {Path(path).name for path in sandbox.SYSTEM}
+    assert set(root.split()) <= system | {"etc", "dev", "proc", "tmp"}, result
+    assert lines == [f"refused {path} No such file or directory" for path in host], result
+    assert_unharmed(workdir)
+
+
+def test_a_python_outside_the_system_brings_its_installation_only(workdir: Path) -> None:
+    """This test's own interpreter (a virtual environment's, in the checkout, here): the run
+    sees its installation, by its real path, and still not the checkout."""
+    code = "import os, sys\nprint(sys.executable, os.path.exists(sys.argv[1]))"
+    (workdir / "main.py").write_text(code)
+    result = sandbox.run([sys.executable, "-I", "main.py", str(ROOT)], workdir, LIMITS)
+    assert result.stdout.split() == [os.path.realpath(sys.executable), "False"], result
+
+
+def test_the_run_cannot_make_or_join_a_user_namespace(workdir: Path) -> None:
+    """unshare refused, clone3 unknown (so threads and processes start by clone), setns refused
+    (EINVAL without the filter: the run's own user namespace)."""
+    code = (
+        "import ctypes, os, subprocess, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def error(ret):\n    return os.strerror(ctypes.get_errno()) if ret < 0 else 'done'\n"
+        f"print(error(libc.unshare({syscalls.CLONE_NEWUSER})))\n"
+        f"print(error(libc.syscall({syscalls.arch().clone3}, None, 0)))\n"
+        "own = os.open('/proc/self/ns/user', os.O_RDONLY)\n"
+        f"print(error(libc.setns(own, {syscalls.CLONE_NEWUSER})))\n"
+        "thread = threading.Thread(target=print, args=('thread',))\n"
+        "thread.start()\nthread.join()\n"
+        "print(subprocess.run(['echo', 'process'], capture_output=True).stdout.decode(), end='')\n"
+    )
+    result = run_python(workdir, code)
+    refused, unknown = "Operation not permitted", "Function not implemented"
+    lines = result.stdout.splitlines()
+    assert lines == [refused, unknown, refused, "thread", "process"], result
+    if shutil.which("unshare"):  # util-linux's, found in the run's /usr too
+        result = sandbox.run(["unshare", "--user", "true"], workdir, LIMITS)
+        assert result.returncode != 0 and "Operation not permitted" in result.stderr, result
+    assert_unharmed(workdir)

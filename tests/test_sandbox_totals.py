@@ -122,8 +122,8 @@ def test_inodes_are_capped_for_the_whole_run(workdir: Path) -> None:
 
 @pytest.fixture
 def socket_dir() -> Iterator[Path]:
-    """A directory anyone may enter, outside /tmp and the other directories the sandbox
-    hides wholesale, so the socket in it must be hidden by itself."""
+    """A directory anyone may enter, outside /tmp: in the checkout, which the run must not see
+    either."""
     parent = ROOT / ".pytest_cache"
     parent.mkdir(exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="relay-sock-", dir=parent))

@@ -6,18 +6,29 @@ before it executes the command:
 - enters new mount, network, PID, IPC and UTS namespaces (plus a user namespace when not root):
   no network but a loopback that is down, no view of other processes, and no abstract Unix
   sockets (their names live in the network namespace);
-- remounts every file system read-only, and lays empty read-only tmpfs over /tmp, /var/tmp,
-  /run, /var/run and /dev/shm, and /dev/null over every other Unix socket bound on this host,
-  so no filesystem socket (a database's, munge's) can be reached either;
-- gives the command a fresh tmpfs of `disk_mb` bytes and `inodes` files at /tmp/work, with a
-  copy of the caller's directory in it: the run's only writable place, gone when it ends (the
-  caller's directory is never written);
+- builds an empty root, a tmpfs, that holds only:
+  - read-only (nosuid, nodev): the system's programs and libraries (/usr; /bin, /sbin and /lib*
+    bound, or linked into /usr as on the host), /etc/ld.so.cache, and the installation of the
+    command's program when it lies elsewhere (a Python under /opt or a home directory: the
+    directory above its real file's bin/, at its own path; the command then runs by that real
+    path, so a virtual environment's own site-packages stay out);
+  - /dev with null, zero, random, urandom and the /proc/self/fd links; a /proc of the new PID
+    namespace;
+  - a fresh tmpfs of `disk_mb` bytes and `inodes` files at /tmp/work, with a copy of the
+    caller's directory in it: the run's only writable place, gone when it ends (the caller's
+    directory is never written);
+  then makes it the root (pivot_root) and detaches the host's: no other host path (/work, /home,
+  /root, the host's /tmp and /run, any Unix socket bound in the file system) exists for the
+  command, so no host file's text can reach a tool result. Code repair's tests need nothing
+  more: the interpreter runs with -I on the task's files and its standard library;
 - as root, also drops to an unprivileged uid of its own (so a process-count limit counts this
   run alone) that owns only that tmpfs;
 - forks the command as PID 1 of the new namespace with limits on CPU seconds, address space,
-  processes, file size and open files. When PID 1 ends, the kernel ends everything it started.
-  File descriptor 3 of the command is a pipe to the caller, returned as `Result.channel`: a
-  report channel that the command's stdout, which everything it runs shares, cannot disturb.
+  processes, file size and open files, no new privileges, and a seccomp filter that refuses
+  user namespaces and setns (`syscalls.py`: x86_64 and aarch64 only). When PID 1 ends, the
+  kernel ends everything it started. File descriptor 3 of the command is a pipe to the caller,
+  returned as `Result.channel`: a report channel that the command's stdout, which everything it
+  runs shares, cannot disturb.
 
 Totals per run (not per process): disk bytes and inodes by the tmpfs, always. Memory and
 processes by a control group when one can be made: cgroup v2 where its memory and pids
@@ -36,7 +47,6 @@ and says which control group applies.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -52,18 +62,37 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rl.core.paths import ROOT
+from rl.envs.code_repair.syscalls import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    CLONE_NEWUTS,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    arch,
+    bind,
+    forbid_user_namespaces,
+    mount,
+    pivot_to_cwd,
+    prctl,
+    unshare,
+)
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 UID_BASE = 200_000  # sandbox uids: UID_BASE + bootstrap pid % UID_SPAN, owning nothing else
 UID_SPAN = 100_000
 KILLED_EXIT = 137
 VIEW = "/tmp/work"  # where the run sees its working directory
 CHANNEL_FD = 3
-HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")  # where sockets usually live
 
 
 @dataclass(frozen=True)
@@ -367,9 +396,9 @@ def _own_cgroup(controller: str) -> str | None:
 def _v2_parent() -> Path | None:
     """This process's cgroup v2 group, when memory and pids are enabled for its children."""
     path = _own_cgroup("")
-    for mount, fstype, _ in _cgroup_mounts():
+    for point, fstype, _ in _cgroup_mounts():
         if fstype == "cgroup2" and path is not None:
-            parent = Path(mount) / path.lstrip("/")
+            parent = Path(point) / path.lstrip("/")
             try:
                 enabled = (parent / "cgroup.subtree_control").read_text().split()
             except OSError:
@@ -380,108 +409,88 @@ def _v2_parent() -> Path | None:
 
 def _v1_parent(controller: str) -> Path | None:
     path = _own_cgroup(controller)
-    for mount, fstype, options in _cgroup_mounts():
+    for point, fstype, options in _cgroup_mounts():
         if fstype == "cgroup" and controller in options and path is not None:
-            return Path(mount) / path.lstrip("/")
+            return Path(point) / path.lstrip("/")
     return None
 
 
 # The bootstrap: runs as `python -m rl.envs.code_repair.sandbox <spec>`, then becomes the
 # command.
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
-
-
-def _mount(
-    source: str | None, target: str, flags: int, fstype: str | None = None, data: str = ""
-) -> None:
-    def enc(text: str | None) -> bytes | None:
-        return text.encode() if text is not None else None
-
-    ret = _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data or None))
-    _check(ret, f"mount {target}")
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""The system's programs and libraries: bound where a directory, linked alike where a link."""
+SYSTEM_FILES = ("/etc/ld.so.cache",)  # the dynamic linker's index of those libraries
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+DEVICE_LINKS = {
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
+}
+STAGE = "/tmp"  # where the new root is built, over the host's /tmp, before it becomes /
+STAGE_SIZE = "size=64k,nr_inodes=256,mode=0755"  # mount points and links only
 
 
 def _enter_namespaces(root: bool) -> None:
     uid, gid = os.getuid(), os.getgid()
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-    _check(_libc.unshare(flags | (0 if root else CLONE_NEWUSER)), "unshare")
+    unshare(flags | (0 if root else CLONE_NEWUSER))
     if not root:  # be root of the new user namespace, mapped to the caller outside
         Path("/proc/self/setgroups").write_text("deny")
         Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
         Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
 
 
-def _mount_flags(options: str) -> int:
-    """The locked flags a read-only remount must keep (the kernel refuses to drop them)."""
-    names = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
-    return sum(flag for name, flag in names.items() if name in options.split(","))
+def _installation(program: str) -> str | None:
+    """What to bind, beyond the system, for the command's program (its argv[0]): the directory
+    above the real file's bin/ (a Python installation, say), or else the real file alone; None
+    when the system holds it, or when it is a relative path (into the run's directory)."""
+    if not os.path.isabs(program):
+        return None
+    real = os.path.realpath(program)
+    if any(real.startswith(os.path.realpath(d) + "/") for d in SYSTEM):
+        return None
+    bin_dir = os.path.dirname(real)
+    return os.path.dirname(bin_dir) if os.path.basename(bin_dir) == "bin" else real
 
 
-def _read_only() -> None:
-    """Every file system read-only."""
-    _mount(None, "/", MS_REC | MS_PRIVATE)
-    mounts = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        mounts.append((fields[4], fields[5]))
-    for target, options in mounts:
-        target = target.encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | _mount_flags(options)
-        try:
-            _mount(None, target, flags)
-        except OSError:
-            # A mount hidden under another one cannot be reached, so cannot be written either.
-            if target in ("/", "/tmp", "/dev/shm", "/var/tmp") or os.path.ismount(target):
-                if not _is_read_only(target):
-                    raise
-
-
-def _is_read_only(path: str) -> bool:
-    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-
-
-def _socket_paths() -> list[str]:
-    """The Unix sockets bound on this host's network namespace (read before leaving it)."""
-    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    return [f[7] for f in (line.split() for line in lines) if len(f) > 7 and f[7][0] == "/"]
-
-
-def _hide_sockets(sockets: list[str]) -> None:
-    """Empty read-only tmpfs over the directories that hold sockets, /dev/null over the rest:
-    the network namespace does not cover sockets reached through the file system."""
-    for directory in HIDDEN_DIRS:
-        if os.path.isdir(directory) and not os.path.islink(directory):
-            # /tmp stays writable until the working directory's mount point is made in it.
-            read_only = 0 if directory == "/tmp" else MS_RDONLY
-            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | read_only
-            _mount("tmpfs", directory, flags, "tmpfs", "size=16k,mode=0755")
-    for path in sockets:
-        try:
-            _mount("/dev/null", path, MS_BIND)
-        except OSError:
-            pass  # gone, or under a directory hidden above
+def _build_root(
+    workdir: int, installation: str | None, limits: dict[str, float], owner: int
+) -> None:
+    """At STAGE, an empty tmpfs given only what the module docstring lists, all read-only but
+    the run's tmpfs at VIEW, which holds the copy of the directory open as `workdir`."""
+    os.umask(0o022)  # the mount points must be reachable by the run's uid
+    mount(None, "/", MS_REC | MS_PRIVATE)
+    links = {path: os.readlink(path) for path in SYSTEM if os.path.islink(path)}
+    binds = [p for p in (*SYSTEM, *SYSTEM_FILES) if os.path.exists(p) and p not in links]
+    binds += [installation] if installation else []
+    # Opened before the host's /tmp is covered, where a program's installation may lie.
+    sources = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in [*binds, *DEVICES]}
+    mount("tmpfs", STAGE, MS_NOSUID | MS_NODEV, "tmpfs", STAGE_SIZE)
+    for path, source in sources.items():
+        bind(source, STAGE + path, read_only=path not in DEVICES)
+        os.close(source)
+    for path, target in {**links, **DEVICE_LINKS}.items():
+        os.symlink(target, STAGE + path)
+    os.mkdir(STAGE + "/proc")
+    _working_tmpfs(workdir, limits, owner)
+    mount(None, STAGE, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def _working_tmpfs(workdir: int, limits: dict[str, float], owner: int) -> None:
-    """A tmpfs capped at the run's disk bytes and inodes at VIEW, with a copy of the directory
-    open as `workdir` (directories, regular files and links only) owned by `owner`; /tmp
-    read-only again. The descriptor reaches the directory where its path, under /tmp for
-    example, is hidden now."""
-    os.mkdir(VIEW)
+    """A tmpfs capped at the run's disk bytes and inodes at VIEW of the new root, with a copy
+    of the directory open as `workdir` (directories, regular files and links only) owned by
+    `owner`. The descriptor reaches the directory where its path, under /tmp for example, is
+    covered now."""
+    view = STAGE + VIEW
+    os.makedirs(view)
     size = f"size={int(limits['disk_mb'])}m,nr_inodes={int(limits['inodes'])},mode=0755"
-    _mount("tmpfs", VIEW, MS_NOSUID | MS_NODEV, "tmpfs", size)
-    _mount(None, "/tmp", MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("tmpfs", view, MS_NOSUID | MS_NODEV, "tmpfs", size)
     shutil.copytree(
-        f"/proc/self/fd/{workdir}", VIEW, symlinks=True, dirs_exist_ok=True, ignore=_special_files
+        f"/proc/self/fd/{workdir}", view, symlinks=True, dirs_exist_ok=True, ignore=_special_files
     )
-    for path in [VIEW, *(str(p) for p in Path(VIEW).rglob("*"))]:
+    for path in [view, *(str(p) for p in Path(view).rglob("*"))]:
         os.lchown(path, owner, owner)
 
 
@@ -507,23 +516,25 @@ def _limit(limits: dict[str, float]) -> None:
 def _bootstrap(spec: dict) -> int:
     for group in spec["cgroups"]:  # first: everything started from here on is counted
         Path(group, "cgroup.procs").write_text(str(os.getpid()))
+    arch()  # a machine the seccomp filter knows, or a clear error now
     argv, limits = spec["argv"], spec["limits"]
     root = os.getuid() == 0
     sandbox_uid = UID_BASE + os.getpid() % UID_SPAN if root else 0
-    sockets = _socket_paths()
+    installation = _installation(argv[0])
+    program = os.path.realpath(argv[0]) if installation else argv[0]  # as bound in the root
     workdir = os.open(spec["workdir"], os.O_RDONLY | os.O_DIRECTORY)
     _enter_namespaces(root)
-    _read_only()
-    _hide_sockets(sockets)
-    _working_tmpfs(workdir, limits, sandbox_uid)
+    _build_root(workdir, installation, limits, sandbox_uid)
     os.close(workdir)
     pid = os.fork()  # the first child is PID 1 of the new PID namespace
     if pid == 0:
         try:
-            _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
-            _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
-            # A /proc of the new PID namespace: the run sees its own processes only.
-            _mount("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "proc")
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            # A /proc of the new PID namespace: the run sees its own processes only. Mounted
+            # while the host's /proc is in view, which a user namespace requires.
+            mount("proc", STAGE + "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "proc")
+            os.chdir(STAGE)
+            pivot_to_cwd()  # the bootstrap's root moves too: it only waits from here on
             os.chdir(VIEW)
             if root:
                 os.setgroups([])
@@ -533,7 +544,9 @@ def _bootstrap(spec: dict) -> int:
             os.dup2(spec["channel"], CHANNEL_FD)
             env = {"PATH": "/usr/bin:/bin", "HOME": VIEW, "LANG": "C.UTF-8"}
             env["PYTHONDONTWRITEBYTECODE"] = "1"
-            os.execvpe(argv[0], argv, env)
+            prctl(PR_SET_NO_NEW_PRIVS, 1)
+            forbid_user_namespaces()
+            os.execvpe(program, [program, *argv[1:]], env)
         except BaseException as err:  # noqa: BLE001 - report and leave the child now
             os.write(2, f"sandbox: {err}\n".encode())
         os._exit(126)
