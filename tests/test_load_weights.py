@@ -24,7 +24,9 @@ from rl.core.auth import token_auth
 from rl.core.model import ensure_checkpoint, load_model, publish_weights
 from rl.core.rundir import COMPLETE, RunDir, mark_complete, write_checksums
 from rl.core.runtime import read_address
+from rl.inference.client import InferenceClient
 from rl.weights.broadcast import InferenceBroadcaster
+from rl.weights.filesystem import FilesystemWaiter
 from rl.weights.published import (
     RefusedWeights,
     check_checkpoint,
@@ -226,6 +228,29 @@ def test_an_older_published_version_loads_when_asked(server: SimpleNamespace) ->
     assert after["choices"] == server.baseline["choices"]  # version 0 holds the same weights
     assert after["policy_version"] == 0
     load(server.client, server.run.weights_for(SERVED), SERVED).raise_for_status()
+
+
+@pytest.mark.slow
+def test_the_orchestrator_skips_a_version_inference_refuses(
+    server: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A corrupt published version is refused by the server (400); the orchestrator's waiter
+    logs it and goes on generating with the version held, rather than ending the run."""
+    client = InferenceClient(server.run.root, ["inference-0"], TOKEN, "tiny")
+    client.version = SERVED
+    log = logging.getLogger("orchestrator")
+    waiter = FilesystemWaiter(server.run.root, client, log, timeout_s=30, exact=True)
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        assert waiter.wait(4, SERVED) == SERVED  # truncated
+        assert waiter.wait(5, SERVED) == SERVED  # a pickle
+        assert waiter.wait(4, SERVED) == SERVED  # known refused: not asked again
+    warned = [r.getMessage() for r in caplog.records if "refused by inference" in r.getMessage()]
+    assert len(warned) == 2 and "version 4 refused by inference, skipped" in warned[0]
+    assert "does not match the SHA-256" in warned[0]
+    assert client.version == SERVED
+    assert server.client.get("/admin/version").json() == {"policy_version": SERVED}
+    choices = server.client.post("/v1/completions", json=GREEDY).json()["choices"]
+    assert choices == server.baseline["choices"]
 
 
 @pytest.mark.slow
