@@ -320,6 +320,13 @@ class Orchestrator:
         first = self.resume()
         for step in range(first, cfg.max_steps):
             self.wait_for_version(generating_version(cfg, step))
+            if step - self.version > cfg.algorithm.max_off_policy_steps:  # versions refused
+                raise RuntimeError(
+                    f"batch {step}: inference still serves version {self.version}, having refused "
+                    "every later one (the warnings above say why); the queue drops a batch more "
+                    f"than algorithm.max_off_policy_steps={cfg.algorithm.max_off_policy_steps} "
+                    "behind, so nothing generated now could be trained"
+                )
             self.generate(step)
         self.wait_for_version(cfg.max_steps)
         if self.last_eval != cfg.max_steps:
