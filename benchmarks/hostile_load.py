@@ -6,7 +6,7 @@ admin key try what a holder of a key could try:
 - a forged push to the queue (with the API key; and with the push key, ids outside the
   vocabulary);
 - an 8 MB chat message;
-- streams of many choices that disconnect after their first event (`--streams` of them);
+- streams of n=512 choices that disconnect after their first event (`--streams` of them);
 - a corrupt weights file: every fifth version the trainer publishes in the window
   (`--corrupt-every`) is overwritten with garbage before the orchestrator loads it, when this
   script sees it first.
@@ -86,7 +86,7 @@ def attacks(run: RunDir, streams: int, stop: threading.Event, got: Counter) -> N
         huge = {"messages": [{"role": "user", "content": "x" * 8_000_000}], "max_tokens": 4}
         r = http.post(f"{inference}/v1/chat/completions", json=huge, headers=bearer(api))
         got[f"8 MB chat message: {r.status_code}"] += 1
-    body = {"prompt": "hello", "n": 64, "max_tokens": 64, "stream": True, "temperature": 1.0}
+    body = {"prompt": "hello", "n": 512, "max_tokens": 64, "stream": True, "temperature": 1.0}
 
     def disconnecting() -> None:
         with httpx.Client(timeout=30) as http:
