@@ -40,6 +40,7 @@ from rl.core.runtime import (
     load_run_config,
     read_address,
     role_args,
+    run_role,
     run_token,
     server_host,
     setup_logging,
@@ -368,4 +369,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_role(main)
