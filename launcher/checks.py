@@ -15,7 +15,9 @@ key and the fix (launcher/plan.py calls `check_run` first):
   (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
   expert parallelism, which keeps each expert whole.
 
-What depends on the run's size (nodes, GPUs, memory) is refused in launcher/sizing.py.
+What depends on the run's size (nodes, GPUs, memory) is refused in launcher/sizing.py. A run
+directory on a filesystem with less free space than the run's checkpoints and weights need
+is warned of (`disk_warning`), not refused: the estimate is rough, and space may be freed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.errors import PlanError, refuse
-from launcher.sizing import DTYPE_BYTES, TRAIN_BYTES_PER_PARAM, disaggregated
+from launcher.sizing import DTYPE_BYTES, TRAIN_BYTES_PER_PARAM, disaggregated, disk_need
 from launcher.vllm_args import VLLM_LORA_RANKS
 from rl.core import lora
 from rl.core.config import (
@@ -38,6 +40,7 @@ from rl.core.config import (
     bounded_settings,
 )
 from rl.core.derive import inference_backend, max_model_len
+from rl.core.disk import free_bytes, size
 from rl.envs import locate as locate_environment
 
 FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped FP8 checkpoints
@@ -310,3 +313,29 @@ def check_weights(cfg: DictConfig) -> None:
     dry run shows the reason as a note instead)."""
     if reason := weights_missing(cfg):
         raise PlanError(reason)
+
+
+def disk_warning(cfg: DictConfig, run_dir: Path, done: int = 0) -> str | None:
+    """A one-line warning when the filesystem of `run_dir` has less free space than the run's
+    checkpoints and published weights will take from step `done` on (launcher/sizing.py's
+    estimate, stated in the line); None when it has room or cannot be read."""
+    need, free = disk_need(cfg, done), free_bytes(run_dir)
+    if free is None or free >= need.total:
+        return None
+    model, trainer = cfg.model, cfg.trainer
+    parts = [
+        f"{need.checkpoints} checkpoint(s) of ~{size(need.checkpoint_bytes)} (weights and "
+        f"AdamW's two moments in {model.dtype}; trainer.checkpoint_every="
+        f"{trainer.checkpoint_every}, max_steps={cfg.max_steps})",
+        f"{need.versions} published version(s) of ~{size(need.version_bytes)} at once "
+        f"(trainer.keep_weights={trainer.keep_weights})",
+    ]
+    if need.reference_bytes:
+        parts.append(f"the KL reference's ~{size(need.reference_bytes)}")
+    if model.lora.rank:
+        parts.append("LoRA adapters not counted")
+    return (
+        f"warning: {run_dir} has {size(free)} free, and this run's checkpoints and published "
+        f"weights need ~{size(need.total)}: {', '.join(parts)}, for model={model.name} "
+        f"({model.total_params_b:g}B parameters); a full disk ends the run"
+    )

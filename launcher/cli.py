@@ -1,13 +1,15 @@
 """The `rl` command: a thin Hydra entry that composes the run and calls `launch`.
 
 Config errors (an unknown option, key or type, a cross-group contradiction) end in one line
-on stderr naming the key and what is valid, with a non-zero exit and nothing started.
+on stderr naming the key and what is valid, with a non-zero exit and nothing started; so does
+a full disk met before the roles start.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -23,6 +25,7 @@ CONF_DIR = str(CONF)
 def _hydra_entry(cfg: DictConfig) -> None:
     from launcher.errors import ConfigError, PlanError, check_added_keys
     from launcher.run import launch
+    from rl.core.disk import as_disk_full
 
     try:
         check_added_keys()
@@ -31,6 +34,13 @@ def _hydra_entry(cfg: DictConfig) -> None:
         # SystemExit passes through Hydra's job wrapper without its multi-line report.
         sys.stderr.write(f"error: {err}\n")
         sys.exit(2)
+    except Exception as err:
+        # A full disk before the roles started (the run directory, the model's cache).
+        full = as_disk_full(err, Path.cwd())
+        if full is None:
+            raise
+        sys.stderr.write(f"error: {full}\n")
+        sys.exit(1)
 
 
 def main() -> None:

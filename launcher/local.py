@@ -5,10 +5,16 @@ ready, shows progress and logs to wandb as metrics.jsonl grows (launcher/trackin
 tears everything down together: on success, on Ctrl-C, and as soon as any role dies (naming
 it and showing its last log lines), writing summary.json with how it ended. Only our own
 process groups are signalled, by id (launcher/processes.py).
+
+A full disk, met by a role or by the launcher's own writes (pids, wall time, how far metrics
+were followed), ends the run the same way, in one line naming the file and the space left:
+the summary is written if there is room for it (the console says where, or that there was
+not), and the command that resumes the run is printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -23,6 +29,7 @@ from launcher.processes import (
     POLL_S,
     Child,
     Liveness,
+    RoleDiskFull,
     RunFailed,
     check_children,
     expand,
@@ -32,7 +39,9 @@ from launcher.processes import (
 from launcher.report import finish_run, override, sweep_group
 from launcher.run_dir import prepare_run_dir
 from launcher.tracking import Follow
+from rl.core.disk import DiskFull
 from rl.core.rundir import RunDir, write_atomic
+from rl.core.runtime import RUN_DIR_ENV
 
 WALL_EVERY_S = 5.0  # how often the run's wall time so far is saved (for a resume's summary)
 
@@ -40,11 +49,10 @@ WALL_EVERY_S = 5.0  # how often the run's wall time so far is saved (for a resum
 def start_children(run_plan: RunPlan, run: RunDir, token: str) -> list[Child]:
     children = []
     for spec in run_plan.processes:
-        values = {"RELAY_RUN_DIR": str(run.root)}
+        values = {RUN_DIR_ENV: str(run.root)}
         env = {**os.environ, **spec.env, "RELAY_TOKEN": token, **values}
         argv = expand(spec.argv, values)
         children.append(spawn(spec.name, spec.role, argv, env, run.log(spec.name)))
-    record_pids(run, children)
     return children
 
 
@@ -131,14 +139,16 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     previous_int = signal.signal(signal.SIGINT, _raise_interrupt)
     try:
+        record_pids(run, children)
         supervise(run_plan, run, watch, follow)
     except KeyboardInterrupt:
         print("interrupted: stopping every role", file=sys.stderr, flush=True)
         _end(cfg, run, children, watch, follow, "interrupted")
         raise SystemExit(130) from None
-    except RunFailed as err:
+    except (RunFailed, DiskFull) as err:  # a role failed; the launcher's own write failed
         print(f"error: {err}", file=sys.stderr, flush=True)
-        _end(cfg, run, children, watch, follow, "failed")
+        full = isinstance(err, DiskFull | RoleDiskFull)
+        _end(cfg, run, children, watch, follow, "failed", str(err) if full else None)
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -153,13 +163,29 @@ def _end(
     watch: Watch,
     follow: Follow,
     status: str,
+    disk_full: str | None = None,
 ) -> None:
     """Stop every role, log what is left, and write the run's summary; a run that did not
-    finish also gets the command that resumes it."""
+    finish also gets the command that resumes it. A run that ended on a full disk (`disk_full`
+    says how) first loses what was left half-written (its space is the summary's), records
+    the reason in its summary, and the console says where the summary went; a summary the
+    disk has no room for is named as missing, and the run ends all the same."""
     stop_children(children)
-    watch.save_wall_time()
-    mode = follow.close(exit_code=0 if status == "finished" else 1)
-    finish_run(cfg, run, watch.wall_time(), mode, status)
+    if disk_full is not None and (removed := run.remove_unfinished()):
+        names = ", ".join(str(path.relative_to(run.root)) for path in removed)
+        print(f"removed what was left half-written: {names}", file=sys.stderr, flush=True)
+    mode = follow.tracker.mode
+    with contextlib.suppress(DiskFull):  # the summary below has the wall time all the same
+        watch.save_wall_time()
+    with contextlib.suppress(DiskFull):  # a later launch shows the rest again
+        mode = follow.close(exit_code=0 if status == "finished" else 1)
+    try:
+        finish_run(cfg, run, watch.wall_time(), mode, status, disk_full)
+    except DiskFull as full:
+        print(f"error: no summary.json: {full}", file=sys.stderr, flush=True)
+    else:
+        if disk_full is not None:
+            print(f"summary: {run.summary}", file=sys.stderr, flush=True)
     if status != "finished":
         print(resume_command(run), file=sys.stderr, flush=True)
 

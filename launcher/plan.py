@@ -34,7 +34,7 @@ from launcher.sizing import (
     size_run,
 )
 from launcher.vllm_args import PD_INSTANCES, spanning_args, vllm_args
-from rl.core.config import ROLE_MODULES, Backend, ClusterKind, Placement
+from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Backend, ClusterKind, Placement
 from rl.core.derive import (
     broadcast_backend,
     inexact,
@@ -294,10 +294,11 @@ def replica_processes(
 
 
 def trainer_process(cfg: DictConfig, size: Footprint, devices: LocalDevices) -> Process:
-    """torchrun on every trainer node, each running its share of the mesh's ranks."""
+    """torchrun on every trainer node, each running its share of the mesh's ranks (Relay's
+    torchrun, rl/trainer/torchrun.py: the ranks stay in the role's process group)."""
     slurm, gpus = cfg.cluster.kind == ClusterKind.slurm, cfg.cluster.gpus_per_node
     ranks = size.mesh["world"] // size.trainer_nodes
-    torchrun = ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    torchrun = ["python", "-m", TORCHRUN_MODULE, "--nproc-per-node", str(ranks)]
     if size.trainer_nodes > 1 or slurm:
         port = cfg.cluster.master_port
         torchrun += [

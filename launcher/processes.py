@@ -2,7 +2,9 @@
 
 The local launcher and each Slurm job's supervisor run roles the same way, so both use these.
 Every role leads its own process group, and teardown signals those groups by id: a role's
-children (torchrun's ranks, vLLM's workers) go with it, and nothing else is touched.
+children (torchrun's ranks, vLLM's workers) go with it, and nothing else is touched. A role
+that ended on a full disk (rl/core/disk.py's EXIT_CODE) is not restarted: it ends the run with
+the line it wrote saying so.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rl.core import disk
 from rl.core.auth import role_env
 from rl.core.rundir import RunDir
 from rl.core.runtime import NAME_ENV, die_with_parent
@@ -29,6 +32,10 @@ FINISHING_ROLES = ("trainer", "orchestrator")
 
 class RunFailed(RuntimeError):
     """A role died or never became ready; the message names it."""
+
+
+class RoleDiskFull(RunFailed):
+    """A role ended on a full disk; the message is one line naming the file and the space."""
 
 
 @dataclass
@@ -202,8 +209,33 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join(f"    {line}" for line in text[-lines:])
 
 
+def ended_on_full_disk(child: Child) -> str:
+    """Why a role that exited with rl/core/disk.py's EXIT_CODE ended, in one line: the line it
+    wrote to its log naming the file and the space left, or (where the log had no room for it
+    either) what is known."""
+    try:
+        lines = child.log_path.read_text(errors="replace").splitlines()[-50:]
+    except OSError:
+        lines = []
+    said = [found.group(0) for line in lines if (found := disk.LINE.search(line))]
+    if not said:
+        run_dir = child.log_path.parent.parent  # logs/<name>.log
+        free = disk.size(disk.free_bytes(run_dir))
+        said = [
+            f"disk full writing {run_dir} (its log had no room to name the file; {free} free "
+            "on its filesystem)"
+        ]
+    return (
+        f"role {child.name} ended on a full disk: {said[-1]}; not restarted (a restart "
+        "meets the same disk): free space there, then resume"
+    )
+
+
 def restart_or_fail(child: Child, code: int, max_restarts: int) -> None:
-    """Restart a role that died, or raise RunFailed once it has used its restarts."""
+    """Restart a role that died, or raise RunFailed once it has used its restarts, or at once
+    when it ended on a full disk."""
+    if code == disk.EXIT_CODE:
+        raise RoleDiskFull(ended_on_full_disk(child))
     if child.restarts >= max_restarts:
         after = f" after {child.restarts} restart(s)" if child.restarts else ""
         raise RunFailed(
@@ -233,7 +265,8 @@ def check_children(
 
     Every role found dead is named: a killed server can take its clients down with it, and the
     launcher may see both at once. Roles ended by a signal are listed first (the likely cause),
-    with the last lines of the first one's log.
+    with the last lines of the first one's log. A role that ended on a full disk ends the run
+    with its one line instead.
     """
     failed = []
     for child in children:
@@ -248,6 +281,9 @@ def check_children(
         failed.append((child, code))
     if not failed:
         return False
+    for child, code in failed:  # a full disk ends the run, whatever else died with it
+        if code == disk.EXIT_CODE:
+            raise RoleDiskFull(ended_on_full_disk(child))
     failed.sort(key=lambda item: item[1] >= 0)  # signal deaths (negative codes) first
     spent = [(c, code) for c, code in failed if c.restarts >= max_restarts]
     if spent:

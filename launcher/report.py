@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from omegaconf import DictConfig
 
 from rl.core.config import RunConfig
 from rl.core.derive import inexact
+from rl.core.disk import DiskFull, writing
 from rl.core.records import is_eval, is_train, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
@@ -85,11 +87,17 @@ def read_summary(run: RunDir) -> dict[str, Any]:
 
 
 def summarize(
-    cfg: Any, run: RunDir, records: list[dict], wall_s: float, status: str, wandb: str
+    cfg: Any,
+    run: RunDir,
+    records: list[dict],
+    wall_s: float,
+    status: str,
+    wandb: str,
+    reason: str | None = None,
 ) -> dict[str, Any]:
-    """What summary.json says of a run: how it ended, what it was started with (its overrides
-    and seeds, and whether the config alone decides it), how far it got, its last rewards and
-    its mean pace (a sweep's table compares these)."""
+    """What summary.json says of a run: how it ended (and, given a `reason`, why), what it was
+    started with (its overrides and seeds, and whether the config alone decides it), how far it
+    got, its last rewards and its mean pace (a sweep's table compares these)."""
     train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
     reasons = inexact(cfg)
@@ -104,6 +112,8 @@ def summarize(
         "wall_s": round(wall_s, 1),
         "wandb": wandb,
     }
+    if reason is not None:
+        summary["reason"] = reason
     if train:
         last = train[-LAST_STEPS:]
         summary["reward/last"] = sum(r["reward/mean"] for r in last) / len(last)
@@ -141,14 +151,20 @@ def finish_run(
     wall_s: float,
     wandb: str,
     status: str = "finished",
+    reason: str | None = None,
 ) -> None:
-    """Plot, write summary.json and, for a run that finished, print the eval result."""
+    """Write summary.json, plot and, for a run that finished, print the eval result. A full
+    disk raises rl/core/disk.py's DiskFull for the summary; the plot, written after it, is
+    left out with a warning."""
     records = read_records(run.metrics)
+    summary = summarize(cfg, run, records, wall_s, status, wandb, reason)
+    write_atomic(run.summary, json.dumps(summary, indent=2))
     if records:
-        plot(records, run.reward_plot, f"{cfg.name}: {run.root}")
-    write_atomic(
-        run.summary, json.dumps(summarize(cfg, run, records, wall_s, status, wandb), indent=2)
-    )
+        try:
+            with writing(run.reward_plot, partial=run.reward_plot):
+                plot(records, run.reward_plot, f"{cfg.name}: {run.root}")
+        except DiskFull as full:
+            print(f"warning: no reward plot: {full}", file=sys.stderr, flush=True)
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
     if evals and status == "finished":
         print(

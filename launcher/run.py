@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_weights
+from launcher.checks import check_weights, disk_warning
 from launcher.errors import ConfigError
 from launcher.plan import format_plan, plan
 from launcher.report import override
 from launcher.sweep_base import shares_a_base, start_from_base
 from rl.core.config import Action, ClusterKind, RunConfig
-from rl.core.rundir import CONFIG, TOKEN, RunDir, write_atomic
+from rl.core.rundir import CONFIG, TOKEN, RunDir, step_versions, write_atomic
 
 
 def launch(cfg: DictConfig) -> None:
@@ -52,6 +53,7 @@ def launch(cfg: DictConfig) -> None:
     except Exception:
         _remove_if_empty(run_dir)
         raise
+    warn_of_disk(cfg, run_dir)
     if cfg.dry_run:
         print(format_plan(run_plan, cfg))
         _remove_if_empty(run_dir)
@@ -113,6 +115,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
     check_weights(cfg_now)
     _check_ended(cfg_now, run)
+    warn_of_disk(cfg_now, run.root, max(step_versions(run.checkpoints), default=0))
     if changed:
         write_atomic(run.config, OmegaConf.to_yaml(config))
         run.plan.write_text(run_plan.to_json())
@@ -133,6 +136,13 @@ def resume(cfg: DictConfig, target: Path) -> None:
     from launcher.local import run_local
 
     run_local(cfg_now, run_plan, resume=run)
+
+
+def warn_of_disk(cfg: Any, run_dir: Path, done: int = 0) -> None:
+    """Say so (on stderr, before the run starts) when the run directory's filesystem has less
+    free space than the run's checkpoints and weights will take (launcher/checks.py)."""
+    if warning := disk_warning(cfg, run_dir, done):
+        print(warning, file=sys.stderr, flush=True)
 
 
 def _check_ended(cfg: Any, run: RunDir) -> None:

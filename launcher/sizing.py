@@ -18,7 +18,14 @@ from launcher.errors import PlanError, refuse
 from launcher.gpus import describe as describe_gpus
 from launcher.gpus import detect as detect_gpus
 from rl.core.config import Backend, ClusterKind, Placement
-from rl.core.derive import LayoutError, inference_backend, max_model_len, trainer_dims
+from rl.core.derive import (
+    CHECKPOINT_COPIES,
+    LayoutError,
+    inference_backend,
+    kept_versions,
+    max_model_len,
+    trainer_dims,
+)
 
 # Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
 # fp32 gradients (4 B) and two AdamW moments (8 B); and served weights' bytes by dtype.
@@ -424,3 +431,44 @@ def size_run(cfg: DictConfig) -> Footprint:
         turned_on = check_shared_gpu(cfg)
         notes += [format_split(shared_split(cfg), cfg), *([turned_on] if turned_on else [])]
     return Footprint(trainer, replica, mesh, shared, notes)
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    """The most a run's checkpoints and published weights take in its run directory: an
+    estimate from the model's parameters and dtype (the queue's store, logs and records are
+    small beside them on any model worth checking)."""
+
+    checkpoints: int
+    """Checkpoints written from the run's start (or resume) to its end; none is deleted."""
+    checkpoint_bytes: float
+    versions: int
+    """Published versions on disk at once: version 0, `kept_versions`, and the one being
+    written before the oldest goes."""
+    version_bytes: float
+    reference_bytes: float
+    """The KL reference's copy of the weights (`algorithm.kl_coef` > 0, without LoRA)."""
+
+    @property
+    def total(self) -> float:
+        return (
+            self.checkpoints * self.checkpoint_bytes
+            + self.versions * self.version_bytes
+            + self.reference_bytes
+        )
+
+
+def disk_need(cfg: DictConfig, done: int = 0) -> DiskNeed:
+    """What the run needs on disk from step `done` on (0: a new run; a resume has its
+    versions and reference on disk already, and needs one more version at most)."""
+    model, trainer = cfg.model, cfg.trainer
+    weights = model.total_params_b * 1e9 * DTYPE_BYTES.get(model.dtype, 4)
+    every, steps = trainer.checkpoint_every, cfg.max_steps
+    checkpoints = steps // every - done // every if every else 0
+    if steps > done and (not every or steps % every):
+        checkpoints += 1  # the last step's
+    versions = 1 + min(steps, kept_versions(cfg) + 1) if done == 0 else 1
+    if model.lora.rank:  # checkpoints and versions after 0 hold the adapter: small
+        return DiskNeed(checkpoints, 0.0, 1 if done == 0 else 0, weights, 0.0)
+    reference = weights if cfg.algorithm.kl_coef > 0 and done == 0 else 0.0
+    return DiskNeed(checkpoints, CHECKPOINT_COPIES * weights, versions, weights, reference)

@@ -38,7 +38,12 @@ from launcher.processes import (
 from launcher.report import finish_run
 from launcher.tracking import Follow
 from rl.core.rundir import SERVICE, RunDir, point_dirs, shared_service
-from rl.core.runtime import CHECKPOINT_ON_TERM_ENV, load_run_config, setup_logging
+from rl.core.runtime import (
+    CHECKPOINT_ON_TERM_ENV,
+    RUN_DIR_ENV,
+    load_run_config,
+    setup_logging,
+)
 
 SUPERVISE_S = 1.0  # how often the supervisor looks at its roles, the run and its peers
 PEER_POLL_S = 5.0
@@ -166,7 +171,7 @@ class NodeSupervisor:
         here = os.environ.get("SLURMD_NODENAME", nodes[self.node])
         port = self.cfg.cluster.master_port or 20000 + int(self.job_id) % 20000
         return {
-            "RELAY_RUN_DIR": str(self.rundir.root),
+            RUN_DIR_ENV: str(self.rundir.root),
             "RELAY_TOKEN": self.rundir.token(),
             "RELAY_HOST": slurm_cli.node_address(here),
             "RELAY_MASTER_ADDR": slurm_cli.node_address(nodes[0]),

@@ -225,7 +225,10 @@ class Follow:
                 print(self.prefix + text, flush=True)
 
     def close(self, exit_code: int = 0) -> str:
-        """Log what is left and end the wandb run; returns its mode."""
-        self.poll()
-        self.tracker.finish(exit_code)
+        """Log what is left and end the wandb run (also when what is left cannot be followed:
+        a full disk); returns its mode."""
+        try:
+            self.poll()
+        finally:
+            self.tracker.finish(exit_code)
         return self.tracker.mode

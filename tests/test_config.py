@@ -143,7 +143,7 @@ def test_dry_run_glm5_slurm_prints_plan() -> None:
         "trainer",
         "inference-0-prefill",
         "inference-0-decode",
-        "torch.distributed.run",
+        "rl.trainer.torchrun",
         "--enable-expert-parallel",
         "--quantization fp8",
         "--nnodes 24",

@@ -18,9 +18,18 @@ from typing import Any
 
 import pytest
 
-from launcher.processes import Child, Liveness, RunFailed, check_children, spawn, stop_children
+from launcher.plan import plan
+from launcher.processes import (
+    Child,
+    Liveness,
+    RunFailed,
+    check_children,
+    expand,
+    spawn,
+    stop_children,
+)
 from rl.core.rundir import RunDir
-from tests.support.runs import ROOT
+from tests.support.runs import ROOT, TOKEN, compose_run, write_run_dir
 
 HUNG_S = 2.0
 # A role that beats from a thread and otherwise sleeps (like a trainer waiting for a batch).
@@ -155,6 +164,52 @@ def test_live_roles_are_left_alone(run: RunDir, started: list[Child]) -> None:
     assert sleeper.proc.poll() is None and server.proc.poll() is None
     assert sleeper.restarts == server.restarts == 0
     assert run.heartbeats_of("sleeper") and run.heartbeats_of("server")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of `pid` in /proc (T: stopped, Z: a zombie), or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2]
+
+
+def wait_for(until: Callable[[], bool], for_s: float = 60) -> bool:
+    deadline = time.monotonic() + for_s
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return until()
+
+
+@pytest.mark.slow
+def test_signals_to_the_trainer_roles_group_reach_its_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started: list[Child]
+) -> None:
+    """The trainer role started as the plan and the launcher start it (torchrun and one rank of
+    the real trainer, which waits for a queue that never comes): a SIGSTOP of the role's
+    process group stops the rank, not only torchrun (the launcher's hang detection relies on
+    it), a SIGCONT lets it go on, and a SIGTERM of the group ends both."""
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path / "cache"))
+    cfg = compose_run("warmup.steps=0")
+    trainer = plan(cfg).role("trainer")[0]
+    run = RunDir(write_run_dir(tmp_path / "run", cfg, TOKEN))
+    values = {"RELAY_RUN_DIR": str(run.root)}
+    env = {**os.environ, **trainer.env, "RELAY_TOKEN": TOKEN, **values}
+    child = spawn("trainer", "trainer", expand(trainer.argv, values), env, run.log("trainer"))
+    started.append(child)
+    assert wait_for(beating(run, "trainer"), for_s=300), run.log("trainer").read_text()
+    rank = int(run.heartbeats_of("trainer")[0].suffix[1:])  # the rank beats, torchrun does not
+    assert rank != child.proc.pid
+    os.killpg(child.proc.pid, signal.SIGSTOP)
+    stopped = wait_for(lambda: process_state(rank) == "T")
+    assert stopped, f"the rank is {process_state(rank)!r} after SIGSTOP of its role's group"
+    assert wait_for(lambda: process_state(child.proc.pid) == "T")  # and torchrun
+    os.killpg(child.proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: process_state(rank) not in ("T", None))
+    os.killpg(child.proc.pid, signal.SIGTERM)
+    child.proc.wait(timeout=60)
+    assert wait_for(lambda: process_state(rank) in (None, "Z")), process_state(rank)
 
 
 @pytest.mark.parametrize("transport", ["filesystem", "broadcast"])

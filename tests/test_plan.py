@@ -50,7 +50,7 @@ def test_slurm_matrix_plans(model: str) -> None:
         inference = p.role("inference")
         assert inference and all("--tensor-parallel-size" in proc.argv for proc in inference)
         json.loads(p.to_json())
-        assert "torch.distributed.run" in format_plan(p, cfg)
+        assert "rl.trainer.torchrun" in format_plan(p, cfg)
 
 
 @pytest.mark.parametrize("model", MOE)

@@ -687,6 +687,8 @@ ROLE_MODULES = {
     "orchestrator": "rl.orchestrator",
     "trainer": "rl.trainer",
 }
+TORCHRUN_MODULE = "rl.trainer.torchrun"
+"""torchrun as the trainer role runs it: its ranks in the role's process group."""
 
 
 def bounded_settings(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Bounds]]:

@@ -63,6 +63,11 @@ def exact_schedule(cfg: RunConfig) -> bool:
     return fixed and cfg.inference.weight_transport == WeightTransport.filesystem
 
 
+CHECKPOINT_COPIES = 3
+"""What a trainer checkpoint holds of each trained parameter, in the model's dtype: its weight
+and AdamW's two moments (rl/trainer/checkpoint.py)."""
+
+
 def kept_versions(cfg: RunConfig) -> int:
     """Published versions kept on disk: `trainer.keep_weights`, and at least every version the
     fixed schedule may still load (the trainer is at most async_level versions ahead)."""

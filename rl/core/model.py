@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.core.config import ModelConfig
+from rl.core.disk import writing
 from rl.core.rundir import fsync_path, is_complete, mark_complete, write_checksums
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -300,16 +301,18 @@ def publish_weights(
 def publish_dir(target: Path, write: Callable[[Path], None]) -> None:
     """Have `write` fill a temporary directory, record its files' checksums (what a server
     verifies before it serves them), then make it `target` durably, COMPLETE last (see
-    publish_weights)."""
+    publish_weights). On a full disk the temporary directory goes, and rl/core/disk.py's
+    DiskFull names `target`."""
     tmp = target.with_name(f"{target.name}.tmp")
-    write(tmp)
-    write_checksums(tmp)
-    for file in sorted(tmp.rglob("*")):
-        fsync_path(file)
-    mark_complete(tmp, sync=True)
-    fsync_path(tmp)
-    tmp.rename(target)
-    fsync_path(target.parent)
+    with writing(target, partial=tmp):
+        write(tmp)
+        write_checksums(tmp)
+        for file in sorted(tmp.rglob("*")):
+            fsync_path(file)
+        mark_complete(tmp, sync=True)
+        fsync_path(tmp)
+        tmp.rename(target)
+        fsync_path(target.parent)
 
 
 def _hf_name(key: str) -> str:

@@ -32,7 +32,9 @@ A sweep with shared inference (`inference.shared`) keeps, beside its points' run
 `point_name(point)` and loaded from that point's own `weights/` (`shared_point`).
 
 Torch-free (the launcher imports it). Writes that others read while a run is live are atomic
-(a temporary file renamed into place), and appends to metrics.jsonl go through one lock.
+(a temporary file renamed into place), and appends to metrics.jsonl go through one lock. A
+write that meets a full disk raises rl/core/disk.py's DiskFull naming the file, and leaves no
+temporary file behind.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rl.core.disk import writing
 
 # Written last into a directory (a checkpoint, published weights, a built model): whoever sees
 # it may read the rest.
@@ -95,7 +99,7 @@ def shared_point(service: Path, name: str) -> Path | None:
 
 def mark_complete(folder: Path, sync: bool = False) -> None:
     """Write the COMPLETE marker into `folder` (after an fsync of it with `sync`)."""
-    with open(folder / COMPLETE, "w") as f:
+    with writing(folder / COMPLETE), open(folder / COMPLETE, "w") as f:
         if sync:
             f.flush()
             os.fsync(f.fileno())
@@ -151,12 +155,13 @@ def write_atomic(path: Path, text: str, durable: bool = False) -> None:
     """Write `path` through a temporary file renamed into place: readers never see half. With
     `durable`, the file and then its directory are fsynced: the new text survives a crash."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(text)
-    if durable:
-        fsync_path(tmp)
-    tmp.rename(path)
-    if durable:
-        fsync_path(path.parent)
+    with writing(path, partial=tmp):
+        tmp.write_text(text)
+        if durable:
+            fsync_path(tmp)
+        tmp.rename(path)
+        if durable:
+            fsync_path(path.parent)
 
 
 def fsync_path(path: Path) -> None:
@@ -170,10 +175,18 @@ def fsync_path(path: Path) -> None:
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line with a single write, under the file's lock (several roles append to
-    metrics.jsonl, and a resuming trainer rewrites it)."""
-    with open(path, "a") as f:
+    metrics.jsonl, and a resuming trainer rewrites it). A line the disk had no room for is cut
+    off again: every reader reads whole lines."""
+    data = memoryview((json.dumps(record) + "\n").encode())
+    with writing(path), open(path, "ab", buffering=0) as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(record) + "\n")
+        end = os.fstat(f.fileno()).st_size
+        try:
+            while data:  # one write, unless the disk fills part way
+                data = data[f.write(data) :]
+        except OSError:
+            os.ftruncate(f.fileno(), end)
+            raise
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -247,17 +260,18 @@ class RunDir:
         from omegaconf import OmegaConf
 
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        if plan_json is not None:
-            self.plan.write_text(plan_json)
         from rl.core.auth import derive
 
-        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        fd = os.open(self.root / API_KEY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(derive(token, ["inference"])["inference"])
+        with writing(self.root):
+            self.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            if plan_json is not None:
+                self.plan.write_text(plan_json)
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            fd = os.open(self.root / API_KEY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(derive(token, ["inference"])["inference"])
 
     def token(self) -> str:
         return self.token_file.read_text().strip()
@@ -464,6 +478,17 @@ class RunDir:
         if not steps:
             return "step 1: no checkpoint yet, so the warm-up runs again"
         return f"step {steps[-1] + 1}, after checkpoint step_{steps[-1]}"
+
+    def remove_unfinished(self) -> list[Path]:
+        """Delete what a stopped trainer left half-written, and return it: checkpoints without
+        their COMPLETE marker and published weights' temporary directories (nothing reads
+        either; on a full disk, their space is what the run's summary needs). Only once every
+        role of the run has stopped."""
+        found = [p for p in self.checkpoints.glob(f"{STEP_PREFIX}*") if not is_complete(p)]
+        found += self.weights.glob(f"{STEP_PREFIX}*.tmp")
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+        return found
 
     @property
     def reference(self) -> Path:

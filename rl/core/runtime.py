@@ -1,5 +1,5 @@
-"""What every role process shares: its arguments, logging, the run's config and keys, and
-finding the other roles' servers.
+"""What every role process shares: its arguments, logging, the run's config and keys,
+finding the other roles' servers, and ending in one line on a full disk (`run_role`).
 
 Roles find each other through the run directory (a shared filesystem on a cluster; its layout
 is rl/core/rundir.py's): a server records its address once it listens, and clients wait for it.
@@ -15,15 +15,17 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from omegaconf import OmegaConf
 
+from rl.core import disk
 from rl.core.auth import KEYS_ENV, TOKEN_ENV, ScopedAuth, decode_keys, derive
 from rl.core.config import RunConfig
-from rl.core.rundir import RunDir, write_atomic
+from rl.core.rundir import RunDir
 
 # How long a role waits for a peer's server to appear, or to come back after a restart.
 PEER_TIMEOUT_S = 900.0
@@ -35,6 +37,38 @@ NAME_ENV = "RELAY_NAME"
 CHECKPOINT_ON_TERM_ENV = "RELAY_CHECKPOINT_ON_TERM"
 # The base URL this process serves, once it has written its address: its heartbeat asks it.
 _serving: dict[str, str] = {}
+RUN_DIR_ENV = "RELAY_RUN_DIR"
+INSUFFICIENT_STORAGE = 507
+"""A role's server answers this when its disk is full: it is ending, and so is the run."""
+
+
+def run_role(main: Callable[[], None]) -> None:
+    """Run a role's entry point. A full disk ends the process with one line naming what it was
+    writing and how much space was left (on stderr: the role's log), and rl/core/disk.py's
+    EXIT_CODE, instead of a traceback: the launcher then ends the run with that line rather
+    than restart a role that would meet the same full disk."""
+    try:
+        main()
+    except disk.NOT_FAILURES:
+        raise
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        full = disk.as_disk_full(err, Path(os.environ.get(RUN_DIR_ENV, ".")))
+        if full is None:
+            raise
+        end_on_full_disk(full)
+
+
+def end_on_full_disk(full: disk.DiskFull, now: bool = False) -> NoReturn:
+    """Say `full` in one line and exit with rl/core/disk.py's EXIT_CODE (`now`: at once, from a
+    thread other than the main one, skipping the interpreter's clean-up)."""
+    name = os.environ.get(NAME_ENV, "role")
+    try:
+        print(f"{name}: {full}", file=sys.stderr, flush=True)
+    except OSError:  # the log is on the full disk too: the exit code still says it
+        pass
+    if now:
+        os._exit(disk.EXIT_CODE)
+    raise SystemExit(disk.EXIT_CODE) from None
 
 
 def server_host() -> str:
@@ -132,8 +166,9 @@ def wait_for_address(run_dir: Path, name: str, timeout: float = PEER_TIMEOUT_S) 
 
 class Peer:
     """A role's server, found through the run directory, and found again after it restarts:
-    a request that cannot reach it waits for the server to answer again (at its old or a new
-    address), up to `timeout` seconds, then fails naming it."""
+    a request that cannot reach it (or that it answers 507: its disk is full and it is ending)
+    waits for the server to answer again (at its old or a new address), up to `timeout`
+    seconds, then fails naming it."""
 
     def __init__(self, run_dir: Path, name: str, timeout: float = PEER_TIMEOUT_S) -> None:
         self.run_dir, self.name, self.timeout = run_dir, name, timeout
@@ -144,17 +179,24 @@ class Peer:
         deadline = None
         while True:
             try:
-                return http.request(method, f"{self.url}{route}", **kwargs)
-            except httpx.TransportError as err:
-                if deadline is None:
-                    deadline = time.monotonic() + self.timeout
-                    self.log.warning("%s unreachable (%r); waiting for it", self.name, err)
-                if time.monotonic() > deadline:
-                    raise ConnectionError(
-                        f"{self.name} unreachable for {self.timeout:.0f} s: {err!r}"
-                    ) from err
-                time.sleep(0.5)
-                self.url = read_address(self.run_dir, self.name) or self.url
+                response = http.request(method, f"{self.url}{route}", **kwargs)
+            except httpx.TransportError as failed:
+                err: Exception = failed
+            else:
+                if response.status_code != INSUFFICIENT_STORAGE:
+                    return response
+                # Its disk is full: it ends, and the launcher ends the run. Wait as for a
+                # server that cannot be reached, rather than fail (and be restarted) over it.
+                err = ConnectionError(f"{self.name} answered {response.text}")
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+                self.log.warning("%s unreachable (%r); waiting for it", self.name, err)
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"{self.name} unreachable for {self.timeout:.0f} s: {err!r}"
+                ) from err
+            time.sleep(0.5)
+            self.url = read_address(self.run_dir, self.name) or self.url
 
 
 class Heartbeat(threading.Thread):
@@ -163,21 +205,34 @@ class Heartbeat(threading.Thread):
     process stops beating, however long its main thread legitimately waits. A server beats only
     while its own /health answers (ok, or starting): a blocked event loop or a failed engine
     stops the beat too. The launcher (launcher/processes.py) kills and restarts a role whose
-    beat stops for `timeouts.hung_s`."""
+    beat stops for `timeouts.hung_s`.
+
+    Each beat rewrites the counter in place, at a fixed width: after the first, a beat takes no
+    new space, so a role that is only waiting beats on when the disk fills, and the write that
+    needs the space is the one that fails and says so. (A reader only asks whether the text
+    changed; one that catches a beat half-written sees a change, which it is.) A first beat the
+    disk has no room for ends the process as a full disk does (`end_on_full_disk`)."""
+
+    WIDTH = 20
 
     def __init__(self, path: Path, interval: float, probe_timeout: float) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.path, self.interval, self.probe_timeout = path, interval, probe_timeout
 
     def run(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atexit.register(self.path.unlink, missing_ok=True)
-        beats = 0
-        while True:
-            if self.healthy():
-                beats += 1
-                write_atomic(self.path, str(beats))
-            time.sleep(self.interval)
+        try:
+            with disk.writing(self.path):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                atexit.register(self.path.unlink, missing_ok=True)
+                beats = 0
+                while True:
+                    if self.healthy():
+                        beats += 1
+                        os.pwrite(fd, f"{beats:>{self.WIDTH}}".encode(), 0)
+                    time.sleep(self.interval)
+        except disk.DiskFull as full:
+            end_on_full_disk(full, now=True)
 
     def healthy(self) -> bool:
         url = _serving.get("url")

@@ -13,7 +13,13 @@ import sys
 
 from rl.core.config import Backend
 from rl.core.derive import inference_backend
-from rl.core.runtime import load_run_config, role_args, setup_logging, start_heartbeat
+from rl.core.runtime import (
+    load_run_config,
+    role_args,
+    run_role,
+    setup_logging,
+    start_heartbeat,
+)
 
 
 def main() -> None:
@@ -38,4 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_role(main)

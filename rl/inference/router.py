@@ -40,6 +40,7 @@ from rl.core.runtime import (
     read_address,
     role_args,
     run_keys,
+    run_role,
     server_host,
     setup_logging,
     start_heartbeat,
@@ -366,4 +367,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_role(main)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rl.core.runtime import load_run_config, role_args, start_heartbeat
+from rl.core.runtime import load_run_config, role_args, run_role, start_heartbeat
 from rl.orchestrator.loop import Orchestrator
 
 
@@ -13,4 +13,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_role(main)

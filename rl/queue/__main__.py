@@ -1,7 +1,8 @@
 """`python -m rl.queue --run-dir D`: the rollout queue of run D, until SIGTERM.
 
 It opens the run's store (refusing one that lost committed data), serves the routes of
-rl/queue/app.py, and records its address once it accepts connections.
+rl/queue/app.py, and records its address once it accepts connections. A write the disk has no
+room for is answered 507 and ends the queue with one line (rl/core/runtime.py's `run_role`).
 """
 
 from __future__ import annotations
@@ -10,16 +11,20 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from rl.core.derive import max_model_len
+from rl.core.disk import DiskFull
 from rl.core.records import RunLimits
 from rl.core.rundir import RunDir
 from rl.core.runtime import (
+    INSUFFICIENT_STORAGE,
     listen_socket,
     load_run_config,
     role_args,
     run_keys,
+    run_role,
     server_host,
     setup_logging,
     start_heartbeat,
@@ -59,8 +64,21 @@ def main() -> None:
         yield
 
     app.router.lifespan_context = announce
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    full: list[DiskFull] = []
+
+    async def disk_full(_: Request, err: Exception) -> JSONResponse:
+        """A full disk: answer 507 (clients wait, as for a queue that is gone), then end."""
+        assert isinstance(err, DiskFull)
+        full.append(err)
+        server.should_exit = True
+        return JSONResponse({"detail": str(err)}, status_code=INSUFFICIENT_STORAGE)
+
+    app.add_exception_handler(DiskFull, disk_full)
+    server.run(sockets=[sock])
+    if full:
+        raise full[0]
 
 
 if __name__ == "__main__":
-    main()
+    run_role(main)

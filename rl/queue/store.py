@@ -21,6 +21,7 @@ from enum import Enum
 from pathlib import Path
 
 from rl.core import wire
+from rl.core.disk import writing
 from rl.core.records import Group
 from rl.core.rundir import write_atomic
 from rl.queue.shards import partition
@@ -111,11 +112,12 @@ class Store:
 
     def __init__(self, path: Path, marks_path: Path | None = None) -> None:
         self.path, self.marks_path = path, marks_path
-        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
-            self._create()
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
+        with writing(path):
+            self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+                self._create()
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
         self.lock = threading.RLock()
         self.marks = self._held()
         self.ready = self._count("ready")
@@ -167,8 +169,9 @@ class Store:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One locked write transaction: committed when the block ends (returns included),
-        rolled back on any error, so a failure never leaves the connection mid-transaction."""
-        with self.lock:
+        rolled back on any error, so a failure never leaves the connection mid-transaction.
+        A full disk raises rl/core/disk.py's DiskFull naming the store."""
+        with writing(self.path), self.lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield self.db

@@ -18,6 +18,7 @@ from rl.core.runtime import (
     die_with_parent,
     load_run_config,
     role_args,
+    run_role,
     start_heartbeat,
 )
 from rl.trainer.loop import Trainer
@@ -26,8 +27,8 @@ from rl.trainer.parallel import rank_device
 
 def main() -> None:
     args = role_args("trainer")
-    # torchrun starts each rank in a session of its own: a rank must not outlive torchrun
-    # (killed outright, it could not stop them, and a restarted one would start more).
+    # A rank must not outlive torchrun: killed outright, torchrun cannot stop its ranks, and a
+    # restarted one would start more.
     parent = os.getppid()
     die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
@@ -47,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_role(main)

@@ -7,6 +7,7 @@ path serves a larger world.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -18,7 +19,14 @@ import torch
 import torch.distributed as dist
 
 from rl.core import wire
-from rl.core.derive import ParallelDims, learning_rate, max_model_len, trainer_dims
+from rl.core.derive import (
+    CHECKPOINT_COPIES,
+    ParallelDims,
+    learning_rate,
+    max_model_len,
+    trainer_dims,
+)
+from rl.core.disk import DiskFull, check_room, free_bytes, writing
 from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import targets as lora_targets
 from rl.core.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
@@ -293,11 +301,16 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank
-        writes its shards; the COMPLETE marker comes last)."""
+        writes its shards; the COMPLETE marker comes last). Without room for it on the disk
+        (rank 0 decides for all) it is not started: rl/core/disk.py's DiskFull says so."""
         target = self.run_dir.checkpoint_for(step)
         if self.on_rank_0(is_complete(target)):
             return
-        save_checkpoint(self.model, self.optimizer, step, target, lora_enabled(self.cfg.model))
+        need = CHECKPOINT_COPIES * self.update_bytes  # the world's shards together
+        if not self.on_rank_0(check_room(target, need) is None):  # every rank stops alike
+            raise DiskFull(target, errno.ENOSPC, free_bytes(target), need)
+        with writing(target, partial=target):  # a full disk: none of it is of use
+            save_checkpoint(self.model, self.optimizer, step, target, lora_enabled(self.cfg.model))
         dist.barrier()
         if self.rank == 0:
             mark_complete(target)
@@ -359,10 +372,18 @@ class Trainer:
             # LoRA: the same model with its adapter off, no copy).
             self.reference = self.make_reference()
             if self.rank == 0:
-                self.run_dir.checkpoints.mkdir(exist_ok=True)
-                torch.save(self.reference.state_dict(), self.run_dir.reference)
+                self.save_reference()
         self.publish(0)
         return 0
+
+    def save_reference(self) -> None:
+        """The KL reference's weights, for a resume (written through a Python file, whose
+        OSError torch.save keeps as the cause of its own: a full disk is then recognised)."""
+        path = self.run_dir.reference
+        with writing(path, partial=path):
+            self.run_dir.checkpoints.mkdir(exist_ok=True)
+            with open(path, "wb") as f:
+                torch.save(self.reference.state_dict(), f)
 
     def on_rank_0(self, flag: bool) -> bool:
         """Rank 0's value of `flag` on every rank, so that all ranks take the same branch into

@@ -39,7 +39,7 @@ def process_tree(pid: int) -> list[int]:
 
 def signal_role(pid: int, sig: signal.Signals) -> None:
     """Send `sig` to a role's whole process tree: its process group, and every process below
-    it that left the group (torchrun starts the trainer's workers in sessions of their own)."""
+    it that may have left the group (a child that starts a session of its own)."""
     tree = process_tree(pid)
     os.killpg(pid, sig)
     for each in tree:

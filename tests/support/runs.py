@@ -147,8 +147,8 @@ def child_env(cache: Path, **extra: str) -> dict[str, str]:
 
 
 def processes_of(run_dir: Path) -> list[int]:
-    """Live processes whose command line names the run directory (torchrun's ranks included:
-    they run in sessions of their own)."""
+    """Live processes whose command line names the run directory (torchrun's ranks included),
+    in whatever process group or session."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
