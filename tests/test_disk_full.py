@@ -27,11 +27,12 @@ from launcher.plan import Process, plan
 from launcher.processes import RoleDiskFull, check_children, spawn, stop_children
 from launcher.sizing import disk_need
 from rl.core import disk, wire
+from rl.core.auth import token_auth
 from rl.core.disk import DiskFull, writing
 from rl.core.model import publish_dir
 from rl.core.records import Group
 from rl.core.rundir import RunDir, append_jsonl, is_complete, read_jsonl, write_atomic
-from rl.core.runtime import auth_headers, wait_for_address
+from rl.core.runtime import wait_for_address
 from rl.queue.store import Store
 from tests.support.disk import MB, fill, small_disk
 from tests.support.faults import trained_steps
@@ -172,7 +173,7 @@ def test_a_role_on_a_full_disk_ends_the_run_in_one_line(tmp_path: Path) -> None:
             pushed = httpx.post(
                 f"{url}/push?batch=0",
                 content=wire.encode([GROUP] * 3),
-                headers={**auth_headers(TOKEN), "Content-Type": wire.CONTENT_TYPE},
+                headers={**token_auth(TOKEN).header("/push"), "Content-Type": wire.CONTENT_TYPE},
                 timeout=60,
             )
             assert children[0].proc.wait(timeout=120) == disk.EXIT_CODE, log.read_text()
