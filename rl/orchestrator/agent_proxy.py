@@ -31,6 +31,7 @@ from rl.inference.openai_api import (
     Result,
     chat_messages,
     check_supported,
+    check_text,
     install_errors,
     served_model,
 )
@@ -203,6 +204,7 @@ class AgentProxy:
 
     async def turn(self, sid: str, body: ChatRequest) -> Any:
         session, sampling = self._session(sid)
+        check_text(body)
         served_model(body, self)
         check_supported(body)
         if body.n != 1:
