@@ -119,8 +119,9 @@ def test_recorded_tokens_are_those_sampled_across_turns(server: Any) -> None:
 
 
 def test_a_refused_turn_leaves_the_episode_as_it_was(server: Any) -> None:
-    """A request refused (here: past the context) changes nothing: the agent's retry continues
-    the conversation as if the refused one had never come."""
+    """A request refused (here: past the context, and text with a lone surrogate) changes
+    nothing: the agent's retry continues the conversation as if the refused one had never
+    come."""
     seen: dict[str, Any] = {}
 
     def agent(task: Task) -> float:
@@ -133,6 +134,12 @@ def test_a_refused_turn_leaves_the_episode_as_it_was(server: Any) -> None:
             api.chat.completions.create(model=task.model, messages=too_long)
         except openai.BadRequestError as err:
             seen["code"] = err.code
+        broken = [*messages, {"role": "user", "content": "x\ud800"}]  # the client cannot send it
+        seen["broken"] = httpx.post(
+            f"{task.base_url}/chat/completions",
+            content=json.dumps({"model": task.model, "messages": broken}),
+            headers={"Authorization": f"Bearer {task.api_key}", "Content-Type": "application/json"},
+        ).json()["error"]["param"]
         messages.append({"role": "user", "content": "again"})
         second = api.chat.completions.create(model=task.model, messages=messages)
         seen["prompt"] = second.choices[0].model_extra["prompt_token_ids"]
@@ -140,6 +147,7 @@ def test_a_refused_turn_leaves_the_episode_as_it_was(server: Any) -> None:
 
     (choice,) = play(environment(server, agent), server)
     assert seen["code"] == "context_length_exceeded"
+    assert seen["broken"] == "messages[2].content"
     assert choice.turns.stats["template_drift"] == 0 and len(choice.env_spans) == 1
     whole = choice.prompt_ids + choice.completion_ids
     assert whole[: len(seen["prompt"])] == seen["prompt"]

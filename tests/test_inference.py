@@ -6,6 +6,7 @@ is started as a real process and exercised over HTTP, weight swaps and concurren
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shutil
@@ -38,7 +39,7 @@ from rl.core.paths import ROOT
 from rl.core.rundir import write_checksums
 from rl.core.runtime import listen_socket
 from rl.inference.engine import Engine
-from rl.inference.generation import generate
+from rl.inference.generation import Limits, generate
 from rl.inference.server import build_app
 from rl.weights.base import BROADCAST_ROUTE
 from rl.weights.broadcast import InferenceBroadcaster
@@ -116,33 +117,71 @@ def test_rows_sharing_a_prompt_share_its_pass_exactly(tiny: tuple[Any, Any]) -> 
     assert len({tuple(s.token_ids) for s in shared}) > 2  # the shared rows did diverge
 
 
+@pytest.mark.parametrize("top", [0, 3], ids=["tokens", "alternatives"])
 def test_finished_rows_leave_the_batch_and_the_rest_decode_as_alone(
-    tiny: tuple[Any, Any],
+    tiny: tuple[Any, Any], top: int
 ) -> None:
     """Rows that end early stop being computed; every row still samples (seeded) the tokens,
-    and gets the logprobs, it gets alone."""
+    and gets the logprobs (and the `top` likeliest alternatives), it gets alone."""
     model, tokenizer = tiny
     a, b = (encode_prompt(tokenizer, p) for p in PROMPTS[:2])
     rows, caps = [a, a, b, b, a, b, a, b], [2, 3, 3, 4, 5, 9, 12, 12]
+    limits = Limits(top_logprobs=top)
 
     def seeded(row: int) -> torch.Generator:
         return torch.Generator().manual_seed(100 + row)
 
+    with passes(model) as computed:
+        batched = generate(model, tokenizer, rows, caps, 1.0, [seeded(r) for r in range(8)], limits)
+    assert computed[0] == 2 and computed[1] == 8  # the prompt pass, then every row
+    assert computed[-1] < 8  # the rows done by then had left
+    for row, (prompt, sample) in enumerate(zip(rows, batched, strict=True)):
+        alone = generate(model, tokenizer, [prompt], caps[row], 1.0, [seeded(row)], limits)[0]
+        assert sample.token_ids == alone.token_ids
+        ref = reference_logprobs(model, prompt, sample.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-4, rtol=0)
+        if top:
+            assert [[t for t, _ in step] for step in sample.top] == [
+                [t for t, _ in step] for step in alone.top
+            ]
+            values = [[v for _, v in step] for step in sample.top]
+            expected = [[v for _, v in step] for step in alone.top]
+            torch.testing.assert_close(values, expected, atol=1e-4, rtol=0)
+
+
+def test_withdrawn_rows_end_at_once_and_the_rest_decode_as_alone(tiny: tuple[Any, Any]) -> None:
+    """Rows withdrawn after the second step (their client went away) keep the two tokens drawn
+    and leave the batch before the next forward pass; the others are as alone."""
+    model, tokenizer = tiny
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    asked = []
+
+    def withdrawn() -> list[int]:
+        asked.append(len(asked))
+        return [0, 2] if len(asked) == 2 else []
+
+    with passes(model) as computed:
+        batched = generate(model, tokenizer, prompts, 10, 0.0, withdrawn=withdrawn)
+    full = generate(model, tokenizer, prompts, 10, 0.0)
+    assert [s.token_ids for s in batched] == [
+        full[0].token_ids[:2],
+        full[1].token_ids,
+        full[2].token_ids[:2],
+    ]
+    assert computed[:3] == [3, 3, 1]  # prompt pass, first step, then row 1 alone
+
+
+@contextlib.contextmanager
+def passes(model: Any) -> Iterator[list[int]]:
+    """The rows of each forward pass of `model` inside the block."""
     computed: list[int] = []
     hook = model.get_input_embeddings().register_forward_hook(
         lambda m, i, o: computed.append(i[0].shape[0])
     )
     try:
-        batched = generate(model, tokenizer, rows, caps, 1.0, [seeded(r) for r in range(8)])
+        yield computed
     finally:
         hook.remove()
-    assert computed[0] == 2 and computed[1] == 8  # the prompt pass, then every row
-    assert computed[-1] < 8  # the rows done by then had left
-    for row, (prompt, sample) in enumerate(zip(rows, batched, strict=True)):
-        alone = generate(model, tokenizer, [prompt], caps[row], 1.0, [seeded(row)])[0]
-        assert sample.token_ids == alone.token_ids
-        ref = reference_logprobs(model, prompt, sample.token_ids, 1.0)
-        torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-4, rtol=0)
 
 
 def test_per_row_limits_and_eos_stop(tiny: tuple[Any, Any]) -> None:
@@ -176,7 +215,14 @@ def test_seeded_rows_ignore_batch_neighbours(tiny: tuple[Any, Any]) -> None:
 def test_server_health_and_completions(server: Any) -> None:
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "policy_version": -1, "receiving": None}
+    assert health.json() == {
+        "status": "ok",
+        "policy_version": -1,
+        "asleep": False,
+        "receiving": None,
+        "tokens_decoded": 0,
+        "requests_dropped": 0,
+    }
     resp = complete(server.client, prompt=PROMPTS, n=4, max_tokens=12, logprobs=1)
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -191,15 +237,39 @@ def test_server_health_and_completions(server: Any) -> None:
     assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
 
 
+GREEDY = {"prompt": PROMPTS, "max_tokens": 16, "temperature": 0}
+
+
+def greedy_ids(server: Any) -> list[list[int]]:
+    response = complete(server.client, **GREEDY)
+    assert response.status_code == 200, response.text
+    return [c["token_ids"] for c in response.json()["choices"]]
+
+
+def sleep_and_wake(server: Any) -> None:
+    """Sleep (checked: every weight's memory given back, /health says so, completions are
+    refused), then wake up (checked: the weights' memory back)."""
+    held = server.client.get("/health").json()
+    assert not held["asleep"]
+    asleep = server.client.post("/admin/sleep")
+    assert asleep.json() == {"asleep": True, "device_bytes": 0, "weight_bytes": 0}, asleep.text
+    assert httpx.get(f"{server.url}/health").json() | {"asleep": False} == held
+    for stream in (False, True):
+        refused = complete(server.client, **GREEDY, stream=stream)
+        assert refused.status_code == 503 and "asleep" in refused.json()["detail"]
+    awake = server.client.post("/admin/wake_up").json()
+    assert awake["asleep"] is False and awake["weight_bytes"] > 0
+    assert httpx.get(f"{server.url}/health").json()["asleep"] is False
+
+
 @pytest.mark.slow
-def test_sleep_and_wake_up_keep_serving_the_same_weights(server: Any) -> None:
-    """Colocated placement puts the server to sleep while the trainer runs: on GPU its
-    weights leave the device; on CPU it gives nothing back, and serves the same after waking."""
-    greedy = {"prompt": PROMPTS[:1], "max_tokens": 8, "temperature": 0.0}
-    before = complete(server.client, **greedy).json()["choices"][0]["token_ids"]
-    assert server.client.post("/admin/sleep").json() == {"asleep": True, "device_bytes": 0}
-    assert server.client.post("/admin/wake_up").json() == {"asleep": False, "device_bytes": 0}
-    assert complete(server.client, **greedy).json()["choices"][0]["token_ids"] == before
+def test_sleep_frees_the_weights_and_waking_serves_the_same(server: Any) -> None:
+    """Colocated placement puts the server to sleep while the trainer runs: on CPU its
+    weights' memory is freed (read again from the checkpoint on waking), and after waking it
+    serves the same tokens."""
+    before = greedy_ids(server)
+    sleep_and_wake(server)
+    assert greedy_ids(server) == before
     assert httpx.post(f"{server.url}/admin/sleep").status_code == 401  # needs the token
 
 
@@ -390,6 +460,31 @@ def test_server_weight_swap(server: Any, checkpoint: Path, step_1: Path) -> None
 
 
 @pytest.mark.slow
+def test_waking_serves_the_loaded_version_and_a_load_wakes(
+    server: Any, tiny: tuple[Any, Any], checkpoint: Path, step_1: Path
+) -> None:
+    """After a load, waking reads back the published version served (step_1's weights, not the
+    base); a load while asleep wakes the server on the weights it loads (a refused one leaves
+    it asleep), and waking again reads those back."""
+    load_version(server.client, step_1, 1)
+    flipped = greedy_ids(server)
+    sleep_and_wake(server)
+    assert greedy_ids(server) == flipped
+    model, tokenizer = tiny  # the base weights
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    base = [s.token_ids for s in generate(model, tokenizer, prompts, 16, 0.0)]
+    assert base != flipped
+    server.client.post("/admin/sleep")
+    missing = server.client.post("/admin/load_weights", json={"path": "/nope", "version": 3})
+    assert missing.status_code == 400 and httpx.get(f"{server.url}/health").json()["asleep"]
+    assert load_version(server.client, publish_as(server, checkpoint, 2), 2)["policy_version"] == 2
+    assert httpx.get(f"{server.url}/health").json()["asleep"] is False
+    assert greedy_ids(server) == base
+    sleep_and_wake(server)
+    assert greedy_ids(server) == base
+
+
+@pytest.mark.slow
 def test_swaps_under_load_report_the_version_used(
     server: Any, checkpoint: Path, step_1: Path
 ) -> None:
@@ -433,6 +528,9 @@ def test_broadcast_serves_what_the_same_weights_from_disk_serve(
     sender = broadcaster(cfg, server.run_dir)
     sender.publish(22, load_model(step_1))
     assert server.client.get("/admin/version").json() == {"policy_version": 22}
+    # Weights received by broadcast have no copy to read back: sleep on CPU would lose them.
+    refused = server.client.post("/admin/sleep")
+    assert refused.status_code == 409 and "broadcast" in refused.json()["detail"]
     after = complete(server.client, **greedy).json()
     assert after["policy_version"] == 22
     assert after["choices"] == from_disk["choices"] != base
@@ -521,3 +619,46 @@ def test_vllm_backend_needs_plan_arguments(cfg: DictConfig, tmp_path: Path) -> N
     )
     assert proc.returncode == 1
     assert "inference.backend=vllm: no vLLM arguments" in proc.stderr
+
+
+def test_the_vllm_front_says_when_it_sleeps_and_refuses_completions_meanwhile(
+    tiny: tuple[Any, Any], cfg: DictConfig, checkpoint: Path
+) -> None:
+    """The vLLM front's sleep is vLLM's sleep mode (GPU only: a stand-in takes vLLM's admin
+    calls here). /health says whether it sleeps, completions are refused meanwhile, and a
+    weight load wakes vLLM before it swaps."""
+    from fastapi.testclient import TestClient
+
+    from rl.inference.vllm import VllmBackend, VllmFrontend
+    from rl.inference.vllm import build_app as front_app
+
+    calls: list[str] = []
+    vllm = SimpleNamespace(url="http://vllm.invalid")
+    front = VllmFrontend(vllm, tiny[1], "tiny", logging.getLogger("test"))  # type: ignore[arg-type]
+
+    async def admin(route: str, **_: Any) -> None:
+        calls.append(route)
+
+    async def swap(path: Path, version: int) -> dict:
+        calls.append(f"swap {version}")
+        return {"policy_version": version, "load_s": 0.0}
+
+    front._admin, front._swap_weights = admin, swap  # type: ignore[method-assign]
+    front.ready.set()
+    app = front_app(front, TOKEN, openai=VllmBackend(front, 128, cfg.model.vocab_size))
+    keys = token_auth(TOKEN)
+    with TestClient(app, headers=keys.header("/admin/sleep")) as client:
+        assert client.get("/health").json()["asleep"] is False
+        assert client.post("/admin/sleep").json() == {"asleep": True}
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["asleep"] is True
+        api = keys.header("/v1/completions")
+        refused = client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "ab"}, headers=api
+        )
+        assert refused.status_code == 503 and "asleep" in refused.json()["detail"]
+        assert client.post("/admin/wake_up").json() == {"asleep": False}
+        client.post("/admin/sleep")
+        assert client.portal.call(front.load_weights, checkpoint, 5)["policy_version"] == 5
+        assert client.get("/health").json()["asleep"] is False
+    assert calls == ["/sleep", "/wake_up", "/sleep", "/wake_up", "swap 5"]

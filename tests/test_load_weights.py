@@ -288,6 +288,7 @@ class CheckedFront:
 
         self.version, self.loaded = -1, []
         self.model_name, self.adapters, self.shared, self.base_points = "tiny", {}, False, {}
+        self.asleep = False
         self.swap, self.ready = asyncio.Lock(), asyncio.Event()
         self.ready.set()
         self.logger = logging.getLogger("test")

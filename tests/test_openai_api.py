@@ -116,7 +116,7 @@ class Scripted:
     def __init__(self, reply: str) -> None:
         self.tokenizer = build_char_tokenizer(len(ASCII) + 4, ASCII)
         self.model_name, self.max_len, self.max_rows = "scripted", 4096, None
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size, self.asleep = len(self.tokenizer), False
         self.reply = reply
         self.prompts: list[list[int]] = []
 

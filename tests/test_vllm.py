@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 from omegaconf import DictConfig
 
@@ -32,6 +33,7 @@ from rl.core.model import (
 )
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support import openai_checks
+from tests.support.inference import send_unread
 from tests.support.runs import ROOT, compose_run, stop_role
 from tests.support.vllm import (
     MARKS,
@@ -134,6 +136,73 @@ def test_seeded_prompts_past_a_steps_token_budget_sample_as_when_alone(
     alone = complete(server, prompt=prompts[5:6], seeds=seeds[5:6], **sampling)["choices"]
     assert [c["token_ids"] for c in together[20:24]] == [c["token_ids"] for c in alone]
     assert len({tuple(c["token_ids"]) for c in together}) > 64  # sampled, not one answer
+
+
+def vllm_url(server: SimpleNamespace) -> str:
+    """The address of the vLLM behind the front (its private port, on loopback)."""
+    log = (server.run_dir / "inference.log").read_text()
+    port = re.findall(r"started vLLM .* --port (\d+)", log)[-1]
+    return f"http://127.0.0.1:{port}"
+
+
+def vllm_metrics(url: str) -> dict[str, float]:
+    """The vLLM counters the abort test reads: tokens generated, requests running or waiting,
+    and requests ended by an abort."""
+    wanted = {
+        "vllm:generation_tokens_total": "generated",
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+        'vllm:request_success_total{finished_reason="abort"': "aborted",
+    }
+    found = dict.fromkeys(wanted.values(), 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for prefix, name in wanted.items():
+            if line.startswith(prefix) and line[len(prefix)] in " {,":
+                found[name] += float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def until(what: Callable[[], Any], message: str) -> Any:
+    """`what()` once it is true (polled; an AssertionError naming `message` if it never is)."""
+    for _ in range(1200):
+        if result := what():
+            return result
+        time.sleep(0.1)
+    raise AssertionError(message)
+
+
+def test_requests_whose_client_goes_are_aborted_in_vllm(server: SimpleNamespace) -> None:
+    """vLLM is paused (keeping its requests), so that nothing can finish meanwhile whatever the
+    machine's speed; two requests of 128 sequences of up to 100 tokens, one streamed, reach the
+    front, which sends them on, and their clients go. The front aborts both in vLLM's engine:
+    once vLLM resumes, it decodes nothing for them."""
+    vllm = vllm_url(server)
+    before = vllm_metrics(vllm)
+    url = str(server.client.base_url).rstrip("/")
+    body = {"prompt": [[1, *range(20, 30)]] * 8, "n": 16, "max_tokens": 100}
+
+    def health() -> dict[str, Any]:
+        return server.client.get("/health").json()
+
+    dropped = health()["requests_dropped"]
+    httpx.post(f"{vllm}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    try:
+        for stream in (False, True):
+            client = send_unread(url, {**body, "stream": stream}, TOKEN)
+            until(lambda: health()["requests_in_flight"] == 1, "never sent on to vLLM")
+            client.close()
+            dropped += 1
+            until(lambda want=dropped: health()["requests_dropped"] == want, "never aborted")
+            assert health()["requests_in_flight"] == 0
+    finally:
+        httpx.post(f"{vllm}/resume", timeout=60).raise_for_status()
+    idle = until(
+        lambda: (m := vllm_metrics(vllm))["running"] + m["waiting"] == 0 and m, "vLLM stays busy"
+    )
+    small = complete(server, prompt=[[1, 20, 21]], max_tokens=4, temperature=0.0)
+    after = vllm_metrics(vllm)
+    assert idle["generated"] == before["generated"]  # nothing for the requests that were left
+    assert after["generated"] - before["generated"] == small["usage"]["completion_tokens"]
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,8 @@ class InferenceClient:
         self.exact = exact  # every answer must come from `version` (the fixed schedule)
 
     def sleep(self) -> None:
-        """Free the servers' GPU memory for the trainer (weights offloaded, caches dropped);
-        the next `load_weights` wakes them first."""
+        """Free the servers' memory for the trainer (weights offloaded or freed, caches
+        dropped); the next `load_weights` wakes them, on the weights it loads."""
         for i in range(len(self.servers)):
             self.call(i, "/admin/sleep", {})
         self.asleep = True
@@ -243,11 +243,12 @@ class InferenceClient:
             return [c for f in futures for c in f.result()]
 
     def load_weights(self, path: Path, version: int) -> None:
-        """Load `path` into every server that answers (waking them, if asleep); one that is
-        down gets the newest weights when it is back. `RefusedVersion` when a server refuses
-        the version (400: it keeps the one it held, as do the others)."""
-        if self.asleep:
-            self.wake()
+        """Load `path` into every server that answers; one that is down gets the newest
+        weights when it is back. A sleeping server wakes on the weights it loads (without
+        reading back first the version it slept with, which may be pruned by now).
+        `RefusedVersion` when a server refuses the version (400: it keeps the one it held, as
+        do the others)."""
+        self.asleep = False
         held, self.version = self.version, version
         for i, server in enumerate(self.servers):
             with self.locks[i]:

@@ -6,6 +6,17 @@ with a KV cache (rl/inference/generation.py), and applies weight swaps only betw
 `weights/step_N`, or received from the trainer's broadcast: rl/weights/), so every response can
 name the single policy version that produced it. The HTTP server in front of it is
 rl/inference/server.py.
+
+Requests are taken in arrival order, as many as fit `inference.max_batch_size` rows, and a
+batch decodes until its last row ends: a request waits for the batches of the requests before
+it, never for later ones, and one request (at most max_batch_size rows of at most the context
+length) holds the engine for at most one batch. A request whose client went away is dropped:
+queued, it never runs; decoding, its rows leave the batch at the next step.
+
+Asleep (colocated placement: the trainer's turn), the weights' memory is given back: on GPU
+they move to host memory; on CPU they are freed, and read again on waking from where they came
+from (the base checkpoint or the published version loaded last). Completions are refused
+meanwhile; a weight load wakes the engine on the weights it loads.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import is_adapter_dir, is_adapter_name, scale, targets
 from rl.inference.adapters import Adapter, Adapters
 from rl.inference.generation import NO_LIMITS, Limits, StepSink, generate
-from rl.inference.openai_api import Deltas
+from rl.inference.openai_api import ASLEEP, Deltas
 from rl.weights.lora import read_adapter
 from rl.weights.published import RefusedWeights, check_finite, read_checkpoint
 from rl.weights.sync import WeightReceiver
@@ -78,6 +89,9 @@ class CompletionJob:
     seeds: tuple[int, ...] | None = None
     """A seed per prompt: each prompt's rows draw from a generator of their own."""
     future: Future = field(default_factory=Future)
+    withdrawn: bool = False
+    """Set (Engine.cancel) when the client went away while the job decodes: its rows end at
+    the next step."""
 
     @property
     def rows(self) -> int:
@@ -101,11 +115,18 @@ class EngineStopped(RuntimeError):
     """The engine thread is not running, so a queued request will never be served."""
 
 
+class EngineAsleep(RuntimeError):
+    """The engine is asleep (its weights given back): it serves no completions until woken."""
+
+
+class SleepRefused(RuntimeError):
+    """The engine cannot give its weights back: it could not read them again on waking."""
+
+
 @dataclass
 class MemoryJob:
-    """Sleep (give the GPU's memory back: weights to host memory, caches freed) or wake up
-    (weights back on the device), queued behind the requests before it. On CPU there is
-    nothing to give back and it only records the state."""
+    """Sleep (give the weights' memory back: on GPU to host memory, on CPU freed) or wake up
+    (weights back on the device, or read again), queued behind the requests before it."""
 
     asleep: bool
     future: Future = field(default_factory=Future)
@@ -125,7 +146,16 @@ class Engine:
     `failure` says why, and every queued and later request fails with `EngineStopped`.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, cfg: RunConfig, logger: logging.Logger):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        cfg: RunConfig,
+        logger: logging.Logger,
+        weights_from: Path | None = None,
+    ):
+        """`weights_from`: the checkpoint `model`'s weights were read from (sleep on CPU reads
+        them from there again on waking; without it, it refuses)."""
         import torch
 
         self.model, self.tokenizer, self.logger = model, tokenizer, logger
@@ -137,6 +167,14 @@ class Engine:
         # Seeded from the OS: replicas must not draw identical samples for unseeded requests.
         self.device = model.device
         self.asleep = False
+        # Where the served full weights can be read again (None: received by broadcast), and
+        # while asleep on CPU, each freed parameter's shape.
+        self.weights_from = weights_from
+        self._freed: list[tuple[Any, Any]] = []
+        # Counted on the engine thread (read by /health): sampled tokens, and requests dropped
+        # because their client went away (queued, or decoding).
+        self.tokens_decoded = 0
+        self.requests_dropped = 0
         self.generator = torch.Generator(device=model.device)
         self.generator.seed()
         # LoRA runs: versions after 0 are adapters, applied on the base without merging.
@@ -163,6 +201,12 @@ class Engine:
         if self._thread.is_alive():
             return ""
         return self._died or "the engine thread is not running"
+
+    def cancel(self, job: CompletionJob) -> None:
+        """Drop `job`, whose client went away: still queued, it never runs (its future is
+        cancelled); decoding, its rows end at the batch's next step."""
+        if not job.future.cancel():
+            job.withdrawn = True
 
     def submit(self, job: CompletionJob | LoadJob | MemoryJob) -> Future:
         with self._cond:
@@ -191,6 +235,8 @@ class Engine:
                 if head.future.set_running_or_notify_cancel():  # False: client went away
                     batch.append(head)
                     rows += head.rows
+                else:
+                    self.requests_dropped += 1
             return batch
 
     def _loop(self) -> None:
@@ -221,16 +267,63 @@ class Engine:
             _fail([work] if single else work, exc)  # type: ignore[list-item]
 
     def _set_memory(self, job: MemoryJob) -> None:
-        import torch
-
         if not job.future.set_running_or_notify_cancel():
             return
-        if self.device.type == "cuda":
-            self.model.to("cpu" if job.asleep else self.device)
-            torch.cuda.empty_cache()
-        self.asleep = job.asleep
+        if job.asleep and not self.asleep:
+            self._sleep()
+        elif self.asleep and not job.asleep:
+            self._wake(self.weights_from)
+        job.future.set_result(self.memory())
+
+    def memory(self) -> dict[str, Any]:
+        """Whether the engine is asleep, and the bytes its weights hold: on the GPU
+        (`device_bytes`: all it has allocated there), and anywhere (`weight_bytes`)."""
+        import torch
+
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        job.future.set_result({"asleep": self.asleep, "device_bytes": held})
+        weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+        return {"asleep": self.asleep, "device_bytes": held, "weight_bytes": weights}
+
+    def _sleep(self) -> None:
+        """Give the weights' memory back: on GPU to host memory, on CPU freed (each parameter
+        keeps its identity, so tied weights stay tied, and only its storage goes)."""
+        import torch
+
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        elif self.weights_from is None:
+            raise SleepRefused(
+                f"version {self.version} was received by broadcast and has no copy to read "
+                "again on waking: not put to sleep (sleep on CPU frees the weights)"
+            )
+        else:
+            self._freed = [(p, p.shape) for p in self.model.parameters()]
+            for param, _ in self._freed:
+                param.data = torch.empty(0, dtype=param.dtype)
+        self.asleep = True
+        self.logger.info("asleep: the weights' memory is given back")
+
+    def _wake(self, source: Path | None) -> None:
+        """The weights back: on the device (GPU), or (CPU) allocated and read from `source`
+        (None: left for the load that follows to fill whole). Still asleep if that fails."""
+        import torch
+
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+        else:
+            for param, shape in self._freed:
+                param.data = torch.empty(shape, dtype=param.dtype)
+            if source is not None:
+                try:
+                    load_state_dict_in_place(self.model, source)
+                except BaseException:
+                    for param, _ in self._freed:
+                        param.data = torch.empty(0, dtype=param.dtype)
+                    raise
+            self._freed = []
+        self.asleep = False
+        self.logger.info("awake: the weights are back")
 
     def held(self, name: str = "") -> int:
         """The version served under `name` ("": the run's own policy)."""
@@ -245,13 +338,19 @@ class Engine:
         start = time.perf_counter()
         source = job.path or "the trainer's broadcast"
         name = job.adapter or self.model_name
+        woke = self.asleep  # a load wakes the engine, on the weights it loads
         try:
+            if woke:  # new full weights fill every parameter: nothing to read again first
+                whole = job.receiver is None and name == self.model_name
+                self._wake(None if whole and not is_adapter_dir(job.path) else self.weights_from)
             if job.receiver is not None:
                 self._receive(job.receiver, job.version)
             else:
                 self._load_dir(job.path, job.version, name)
         except Exception as exc:  # reported to the caller; the old weights stay in place
             self.logger.warning("refused version %d from %s: %s", job.version, source, exc)
+            if woke and not self.asleep:
+                self._sleep()  # as the load found it
             job.future.set_exception(exc)
             return
         if name == self.model_name:
@@ -275,6 +374,7 @@ class Engine:
             if name != self.model_name:
                 raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
             load_state_dict_in_place(self.model, path)
+            self.weights_from = path
             if self.adapters:
                 self.adapters.put(name, None)
             return
@@ -298,12 +398,16 @@ class Engine:
             self.adapters.put(self.model_name, adapter)
             return
         load_state_in_place(self.model, state, source)
+        self.weights_from = None  # no copy of these weights to read again
         if self.adapters:
             self.adapters.put(self.model_name, None)
 
     def _run_batch(self, jobs: list[CompletionJob]) -> None:
         import torch
 
+        if self.asleep:
+            _fail(jobs, EngineAsleep(ASLEEP))
+            return
         prompts, caps, temps, gens, limits, names = [], [], [], [], [], []
         for job in jobs:
             gen = self.generator
@@ -322,15 +426,36 @@ class Engine:
         on_step = _stream_to(jobs) if any(job.sink for job in jobs) else None
         route = self.adapters.route if self.adapters else None
         samples = generate(
-            self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step, names, route
-        )
+            self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step, names, route,
+            _withdrawn(jobs),
+        )  # fmt: skip
         tokens = sum(len(s.token_ids) for s in samples)
+        self.tokens_decoded += tokens
         seconds = time.perf_counter() - start
         self.logger.debug("batch of %d rows: %d tokens in %.2f s", len(prompts), tokens, seconds)
         offset = 0
         for job in jobs:
+            if job.withdrawn:
+                self.requests_dropped += 1
+                self.logger.info("dropped a request of %d rows: its client went away", job.rows)
             job.future.set_result((self.held(job.adapter), samples[offset : offset + job.rows]))
             offset += job.rows
+
+
+def _withdrawn(jobs: list[CompletionJob]) -> Callable[[], list[int]]:
+    """The batch rows of the jobs withdrawn since last asked (generate's `withdrawn`)."""
+    spans, at = [], 0
+    for job in jobs:
+        spans.append((job, at, at + job.rows))
+        at += job.rows
+    told: set[int] = set()  # the spans already named
+
+    def rows() -> list[int]:
+        new = [k for k, (job, _, _) in enumerate(spans) if job.withdrawn and k not in told]
+        told.update(new)
+        return [row for k in new for row in range(spans[k][1], spans[k][2])]
+
+    return rows
 
 
 def _stream_to(jobs: list[CompletionJob]) -> StepSink:

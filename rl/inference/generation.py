@@ -118,6 +118,7 @@ def generate(
     on_step: StepSink | None = None,
     adapters: Sequence[str] | None = None,
     route: Callable[[list[str]], None] | None = None,
+    withdrawn: Callable[[], list[int]] | None = None,
 ) -> list[Sample]:
     """Decode every prompt in one left-padded batch with a KV cache; per-row limits and RNGs.
 
@@ -126,7 +127,9 @@ def generate(
     generator. A row with stop strings ends at the token whose text completes one. `on_step`
     sees every step's tokens as they are drawn. `adapters` names each row's LoRA adapter ("":
     none), and `route(names)` tells the model the names of the rows of each forward pass (rows
-    with the same prompt but different adapters do not share a prompt pass).
+    with the same prompt but different adapters do not share a prompt pass). `withdrawn()`,
+    asked after every step, names rows whose request was withdrawn (its client went away):
+    they end there ("length") and leave the batch before the next forward pass.
     """
     import torch
 
@@ -137,9 +140,10 @@ def generate(
         while True:
             draw(rows, state)
             record_step(rows, state, on_step)
+            ended = withdraw(state, withdrawn)
             if bool(state.done.all()):
                 return rows.samples(state)
-            leave_finished(rows, state, route)
+            leave_finished(rows, state, route, now=ended)
             feed_back(model, state)
 
 
@@ -227,6 +231,7 @@ class Decoding:
     steps_ids: list[torch.Tensor]
     steps_logp: list[torch.Tensor]
     steps_top: list[Any]
+    """Per step, the alternatives' logprobs and ids, one row per row of the batch."""
     tokens: torch.Tensor | None = None
     """The newest step's tokens, one per row (pad for finished rows)."""
 
@@ -293,7 +298,12 @@ def draw(rows: Rows, state: Decoding) -> None:
     state.steps_ids.append(state.tokens)
     state.steps_logp.append(logp)
     if max(rows.wanted_top):
-        state.steps_top.append(dist.topk(min(max(rows.wanted_top), dist.shape[1]), dim=-1))
+        top = dist.topk(min(max(rows.wanted_top), dist.shape[1]), dim=-1)
+        # One row per row of the batch, as every step's tokens (finished rows' are never read).
+        values = torch.zeros((count, top.values.shape[1]), device=device)
+        ids = torch.zeros((count, top.values.shape[1]), dtype=torch.long, device=device)
+        values[live], ids[live] = top.values, top.indices
+        state.steps_top.append((values, ids))
 
 
 def record_step(rows: Rows, state: Decoding, on_step: StepSink | None) -> None:
@@ -314,11 +324,23 @@ def record_step(rows: Rows, state: Decoding, on_step: StepSink | None) -> None:
     state.done |= state.stopped | (state.lengths >= rows.caps)
 
 
-def leave_finished(rows: Rows, state: Decoding, route: Callable | None) -> None:
-    """Drop finished rows from the batch once they are a quarter of it."""
+def withdraw(state: Decoding, withdrawn: Callable[[], list[int]] | None) -> bool:
+    """End the rows `withdrawn()` names now; whether any was still decoding."""
+    import torch
+
+    if withdrawn is None or not (ended := withdrawn()):
+        return False
+    rows = torch.tensor(ended, device=state.done.device)
+    decoding = bool((~state.done[rows]).any())
+    state.done[rows] = True
+    return decoding
+
+
+def leave_finished(rows: Rows, state: Decoding, route: Callable | None, now: bool) -> None:
+    """Drop finished rows from the batch once they are a quarter of it, or `now` (withdrawn
+    rows leave at once: nobody waits for them)."""
     finished = state.done[state.live]
-    # Alternatives are gathered per step for every row, so those batches keep them all.
-    if not max(rows.wanted_top) and int(finished.sum()) * 4 >= len(state.live):
+    if now or int(finished.sum()) * 4 >= len(state.live):
         keep = (~finished).nonzero().squeeze(1)
         state.cache.reorder_cache(keep)
         state.mask, state.positions = state.mask[keep], state.positions[keep]
@@ -343,8 +365,8 @@ def _alternatives(steps_top: list[Any], wanted: list[int]) -> list[list[Any] | N
         return [None] * len(wanted)
     import torch
 
-    values = torch.stack([t.values for t in steps_top], 1).tolist()
-    indices = torch.stack([t.indices for t in steps_top], 1).tolist()
+    values = torch.stack([v for v, _ in steps_top], 1).tolist()
+    indices = torch.stack([i for _, i in steps_top], 1).tolist()
     return [
         [
             list(zip(ids[:k], lps[:k], strict=True))

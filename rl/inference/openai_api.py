@@ -13,7 +13,12 @@ server-sent events, so the official `openai` client sees the same API from both.
 - Anything else is refused with a 400 in OpenAI's error shape (`{"error": {"message", "type",
   "param", "code"}}`; Relay's own clients read the same text as `detail`): an unknown field,
   and a known one this server cannot honour (`frequency_penalty`, `logit_bias`, `echo`, ...)
-  unless it is sent at its no-op default.
+  unless it is sent at its no-op default. So are a number field sent as Infinity or NaN, and
+  text that is not whole Unicode characters anywhere in a request (a lone surrogate such as
+  "\\ud800", which JSON can spell but UTF-8 cannot encode): each names its field.
+- A request whose client disconnects (or times out) is cancelled, streamed or not: the backend
+  drops it (the embedded engine its rows, vLLM its sequences) instead of decoding for nobody.
+- A sleeping server (colocated placement, while the trainer runs) refuses completions: 503.
 - Relay's extensions ride on every choice: `prompt_token_ids` and `token_ids` (the exact
   tokens; the trainer's inputs), and on the response `policy_version` (and
   `policy_version_max`: a request in flight during a weight swap on vLLM spans two).
@@ -24,14 +29,15 @@ server-sent events, so the official `openai` client sees the same API from both.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Protocol
+from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +48,11 @@ from rl.core.model import encode_prompt
 from rl.inference.generation import Limits, Sample
 
 MAX_TOP_LOGPROBS = 20
+ASLEEP = (
+    "the server is asleep (its weights' memory given back while the trainer runs): "
+    "POST /admin/wake_up, or load weights, first"
+)
+"""Why a sleeping server (either backend) refuses completions (503)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,9 @@ class Backend(Protocol):
     max_rows: int | None
     """Most prompts x n per request (None: no limit of its own)."""
     vocab_size: int
+    asleep: bool
+    """Whether the server sleeps (colocated placement: the trainer's turn): completions are
+    then refused (503) before anything is queued."""
 
     def served(self) -> list[str]:
         """The names requests may ask for: the model's, then any adapter's."""
@@ -139,9 +153,10 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    """Fields both endpoints share; any field not declared here is refused."""
+    """Fields both endpoints share; any field not declared here is refused, and so is a number
+    field sent as Infinity or NaN (which Python's JSON reads)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0)
@@ -223,6 +238,44 @@ class ChatRequest(_Request):
         if self.response_format not in (None, {"type": "text"}):
             return "response_format", self.response_format
         return super().refused()
+
+
+def check_text(body: _Request) -> None:
+    """Refuse (400, naming the field) a string anywhere in the request that is not whole
+    Unicode characters: JSON's escapes can spell a lone surrogate ("\\ud800"), which no
+    tokenizer, and no UTF-8 encoder on the way to vLLM, accepts."""
+    for name in type(body).model_fields:
+        if (where := _unencodable(getattr(body, name), name)) is not None:
+            raise APIError(
+                400,
+                f"{where}: not valid Unicode text (it holds a lone surrogate, such as \\ud800, "
+                "which UTF-8 cannot encode); send whole characters",
+                where,
+                "invalid_text",
+            )
+
+
+def _unencodable(value: Any, where: str) -> str | None:
+    """Where in `value` (a JSON value) the first string UTF-8 cannot encode is, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _unencodable(key, where) is not None:
+                return f"{where} (a key)"
+            if (found := _unencodable(item, f"{where}.{key}")) is not None:
+                return found
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if (found := _unencodable(item, f"{where}[{i}]")) is not None:
+                return found
+    return None
 
 
 def served_model(body: _Request, backend: Backend) -> None:
@@ -590,10 +643,41 @@ def chat_prompt(tokenizer: Any, body: ChatRequest) -> list[int]:
     return template.encode(text)
 
 
+T = TypeVar("T")
+
+
+class ClientGone(HTTPException):
+    """The client disconnected before its answer was ready (nginx's 499; nobody reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request before its answer was ready")
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects (or times out) first: `work` is then
+    cancelled, which a backend takes as dropping the request, and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has disconnected. The body has been read whole (the route's
+    model), so the only message left to come is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> None:
     """/v1/models, /v1/completions and /v1/chat/completions over `backend`."""
-    import asyncio
-
     install_errors(app)
     guard = [Depends(authorized)]
 
@@ -606,27 +690,34 @@ def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> N
         ]  # fmt: skip
         return {"object": "list", "data": data}
 
-    async def answer(endpoint: Endpoint, ids: list[list[int]], max_tokens: int, top: int) -> Any:
+    async def answer(
+        request: Request, endpoint: Endpoint, ids: list[list[int]], max_tokens: int, top: int
+    ) -> Any:
         body = endpoint.body
+        if backend.asleep:
+            raise APIError(503, ASLEEP)
         check_prompts(ids, body.n, max_tokens, backend, getattr(body, "seeds", None))
         params = endpoint.params(max_tokens, top)
-        if body.stream:
+        if body.stream:  # the response stops iterating the stream when the client goes
             return StreamingResponse(endpoint.events(ids, params), media_type="text/event-stream")
-        return endpoint.response(ids, await backend.generate(ids, params))
+        return endpoint.response(ids, await unless_gone(request, backend.generate(ids, params)))
 
     @app.post("/v1/completions", dependencies=guard)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_text(body)
         served_model(body, backend)
         check_supported(body)
         # Off the event loop: a long text takes a while to tokenize, and /health must answer.
         ids = await asyncio.to_thread(prompt_ids, backend.tokenizer, body.prompt)
-        return await answer(Completions(backend, body), ids, body.max_tokens, body.logprobs or 0)
+        endpoint = Completions(backend, body)
+        return await answer(request, endpoint, ids, body.max_tokens, body.logprobs or 0)
 
     @app.post("/v1/chat/completions", dependencies=guard)
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        check_text(body)
         served_model(body, backend)
         check_supported(body)
         ids = [await asyncio.to_thread(chat_prompt, backend.tokenizer, body)]
         limit = body.max_completion_tokens or body.max_tokens or backend.max_len - len(ids[0])
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        return await answer(ChatCompletions(backend, body), ids, max(limit, 1), top)
+        return await answer(request, ChatCompletions(backend, body), ids, max(limit, 1), top)

@@ -14,7 +14,8 @@ hand the KV cache over through a KV connector. This router serves Relay's infere
 - a streamed request streams decode's answer;
 - a weight update reaches both instances before either serves it: new requests wait while
   the requests in flight finish, both instances load, and both must report the same version;
-- /health answers 200 only while both instances do.
+- /health answers 200 only while both instances do;
+- a request whose client goes away is cancelled here, and so on the instances (which abort it).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from rl.core.runtime import (
     wait_for_address,
     write_address,
 )
+from rl.inference.openai_api import unless_gone
 
 # What prefill is asked to keep for a decode elsewhere (vLLM's P/D proxy protocol; connectors
 # that find the KV by prompt, such as ExampleConnector, answer None and need nothing back).
@@ -305,10 +307,10 @@ def build_app(router: Router, keys: Any) -> FastAPI:
         if not isinstance(body, dict):
             return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
         if not body.get("stream"):
-            async with router.gate.request():
+            async with router.gate.request():  # cancelled (on to the instances) when it goes
                 if route == "/v1/completions":
-                    return await router.completions(body)
-                return await router.complete(route, body)
+                    return await unless_gone(request, router.completions(body))
+                return await unless_gone(request, router.complete(route, body))
         await router.gate.enter()  # left when the stream ends
         try:
             chunks = router.stream(route, body)

@@ -31,7 +31,15 @@ from rl.core.runtime import (
     server_host,
     write_address,
 )
-from rl.inference.engine import CompletionJob, Engine, EngineStopped, LoadJob, MemoryJob
+from rl.inference.engine import (
+    CompletionJob,
+    Engine,
+    EngineAsleep,
+    EngineStopped,
+    LoadJob,
+    MemoryJob,
+    SleepRefused,
+)
 from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.weights.published import loading_from, published_dir
 from rl.weights.routes import add_routes
@@ -47,6 +55,10 @@ class EngineBackend:
         self.model_name, self.tokenizer = engine.model_name, engine.tokenizer
         self.max_rows, self.vocab_size = engine.max_batch_size, engine.vocab_size
 
+    @property
+    def asleep(self) -> bool:
+        return self.engine.asleep
+
     def served(self) -> list[str]:
         adapters = self.engine.adapters.loaded if self.engine.adapters else {}
         return [self.model_name, *sorted(n for n in adapters if n != self.model_name)]
@@ -58,11 +70,13 @@ class EngineBackend:
         )  # fmt: skip
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
+        job = self._job(prompts, params)
         try:
-            version, samples = await asyncio.wrap_future(
-                self.engine.submit(self._job(prompts, params))
-            )
-        except EngineStopped as exc:
+            version, samples = await asyncio.wrap_future(self.engine.submit(job))
+        except asyncio.CancelledError:  # the client went away (openai_api.unless_gone)
+            self.engine.cancel(job)
+            raise
+        except (EngineStopped, EngineAsleep) as exc:
             raise APIError(503, str(exc)) from exc
         return Result(version, version, samples)
 
@@ -75,14 +89,19 @@ class EngineBackend:
         def sink(deltas: Deltas) -> None:  # on the engine thread
             loop.call_soon_threadsafe(queue.put_nowait, deltas)
 
-        future = self.engine.submit(self._job(prompts, params, sink))
+        job = self._job(prompts, params, sink)
+        future = self.engine.submit(job)
         # Queued after every step's tokens, from the same thread: it arrives last.
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-        while (deltas := await queue.get()) is not None:
-            yield deltas
+        try:
+            while (deltas := await queue.get()) is not None:
+                yield deltas
+        finally:  # left early: the client went away (the response stops iterating)
+            if not future.done():
+                self.engine.cancel(job)
         try:
             version, samples = future.result()
-        except EngineStopped as exc:
+        except (EngineStopped, EngineAsleep) as exc:
             raise APIError(503, str(exc)) from exc
         yield Result(version, version, samples)
 
@@ -183,8 +202,15 @@ def build_app(engine: Engine, keys: Any, max_len: int, run_dir: Path | None = No
     async def health() -> Any:
         if reason := engine.failure():
             return JSONResponse({"status": "failed", "detail": reason}, status_code=503)
-        # `receiving`: the version a broadcast is bringing in (generation pauses to copy it).
-        return {"status": "ok", "policy_version": engine.version, "receiving": receiving["version"]}
+        return {
+            "status": "ok",
+            "policy_version": engine.version,
+            "asleep": engine.asleep,  # up, but serving no completions until woken
+            # the version a broadcast is bringing in (generation pauses to copy it), or None
+            "receiving": receiving["version"],
+            "tokens_decoded": engine.tokens_decoded,
+            "requests_dropped": engine.requests_dropped,  # their clients went away
+        }
 
     @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
     async def openapi() -> dict:
@@ -207,11 +233,17 @@ def build_app(engine: Engine, keys: Any, max_len: int, run_dir: Path | None = No
 
     @app.post("/admin/sleep", dependencies=[Depends(authorized)])
     async def sleep() -> dict:
-        return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=True)))
+        try:
+            return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=True)))
+        except SleepRefused as exc:
+            raise HTTPException(409, str(exc)) from exc
 
     @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
     async def wake_up() -> dict:
-        return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
+        try:
+            return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
+        except (OSError, ValueError) as exc:  # the weights could not be read again
+            raise HTTPException(500, f"still asleep: {exc}") from exc
 
     return app
 
@@ -258,7 +290,7 @@ def serve(cfg: RunConfig, run_dir: Path, name: str, logger: logging.Logger) -> N
     if device == "cuda":
         deterministic_cuda()
     model = load_model(path, dtype=cfg.model.dtype, device=device).eval()
-    engine = Engine(model, load_tokenizer(path), cfg, logger)
+    engine = Engine(model, load_tokenizer(path), cfg, logger, weights_from=path)
     # A restarted server: back on the newest policy (or each sweep point's) before it answers.
     for adapter, weights, version in restored(run_dir, cfg.inference.shared):
         engine.submit(LoadJob(weights, version, adapter=adapter))

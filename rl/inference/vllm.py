@@ -13,7 +13,11 @@ HTTP contract as the embedded engine in front of it, so the orchestrator has one
   streams the tensors into the same in-place reload (rl/weights/sync.py's worker extension,
   which the plan adds with `--worker-extension-cls`; vLLM shards and quantises them itself);
 - if vLLM dies it is restarted, at most `MAX_RESTARTS` times, with the last weights it loaded
-  from disk (a broadcast group does not survive it: the trainer's next update forms a new one).
+  from disk (a broadcast group does not survive it: the trainer's next update forms a new one);
+- a request whose client goes away is aborted in vLLM's engine (its `/abort_requests`, by the
+  request id this front gives it), not left to decode for nobody;
+- /admin/sleep and /admin/wake_up are vLLM's sleep mode (GPU only); /health says whether it is
+  asleep, completions are refused meanwhile, and a weight load wakes it first.
 vLLM's admin routes need `VLLM_SERVER_DEV_MODE=1`; they are reachable only on loopback here.
 """
 
@@ -28,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -265,6 +270,10 @@ class VllmFrontend:
         self.ready = asyncio.Event()
         self.swap = asyncio.Lock()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+        self.asleep = False  # vLLM's sleep mode: weights offloaded, KV cache dropped
+        self.aborting: set[asyncio.Task] = set()  # aborts of requests whose client went away
+        self.in_flight = 0  # requests sent on to vLLM, not yet answered (/health)
+        self.dropped = 0  # requests aborted in vLLM because their client went away (/health)
 
     def held(self, name: str = "") -> int:
         """The version served under `name` ("": the run's own policy)."""
@@ -288,17 +297,29 @@ class VllmFrontend:
 
     async def complete(self, body: dict[str, Any], name: str = "") -> dict[str, Any]:
         """vLLM's completions answer to `body` (token-id prompts), with the policy versions that
-        served it; a vLLM that dies under the request is waited for and asked again."""
+        served it; a vLLM that dies under the request is waited for and asked again. Cancelled
+        (its client went away), the request is aborted in vLLM."""
+        request_id = f"relay-{uuid.uuid4().hex}"
         for attempt in range(MAX_RESTARTS + 1):
             await self.ready.wait()
             before = self.held(name)
+            self.in_flight += 1
             try:
-                response = await self.http.post(f"{self.vllm.url}/v1/completions", json=body)
+                response = await self.http.post(
+                    f"{self.vllm.url}/v1/completions",
+                    json=body,
+                    headers={"X-Request-Id": request_id},
+                )
                 break
             except httpx.TransportError:  # vLLM died under the request: wait for the restart
                 if attempt == MAX_RESTARTS:
                     raise
                 await asyncio.sleep(2.0)
+            except asyncio.CancelledError:
+                self.abort(request_id, len(body["prompt"]))
+                raise
+            finally:
+                self.in_flight -= 1
         if response.status_code != 200:
             raise APIError(response.status_code, f"vLLM: {response.text[:1000]}")
         result = response.json()
@@ -311,15 +332,67 @@ class VllmFrontend:
         """vLLM's streamed completions chunks for `body`, then one `{"policy_version": ...}`."""
         await self.ready.wait()
         before = self.held(name)
-        async with self.http.stream(
-            "POST", f"{self.vllm.url}/v1/completions", json={**body, "stream": True}
-        ) as response:
-            if response.status_code != 200:
-                raise APIError(response.status_code, f"vLLM: {(await response.aread())[:1000]!r}")
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    yield json.loads(line[len("data: ") :])
+        request_id, done = f"relay-{uuid.uuid4().hex}", False
+        self.in_flight += 1
+        try:
+            async with self.http.stream(
+                "POST",
+                f"{self.vllm.url}/v1/completions",
+                json={**body, "stream": True},
+                headers={"X-Request-Id": request_id},
+            ) as response:
+                if response.status_code != 200:
+                    text = (await response.aread())[:1000]
+                    raise APIError(response.status_code, f"vLLM: {text!r}")
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        yield json.loads(line[len("data: ") :])
+            done = True
+        finally:  # left early: the client went away (the response stops iterating)
+            self.in_flight -= 1
+            if not done:
+                self.abort(request_id, len(body["prompt"]))
         yield {"policy_version": before, "policy_version_max": self.held(name)}
+
+    def abort(self, request_id: str, prompts: int) -> None:
+        """Abort in vLLM's engine the request sent as `request_id` with `prompts` prompts (vLLM
+        runs prompt i as cmpl-<request id>-i), on a task of its own: the caller is being
+        cancelled. vLLM aborts a request whose connection closes, too, once it notices."""
+        ids = [f"cmpl-{request_id}-{i}" for i in range(prompts)]
+        if not ids:  # vLLM takes no ids as "abort every request"
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(ids))
+        self.aborting.add(task)
+        task.add_done_callback(self.aborting.discard)
+
+    async def _abort(self, ids: list[str]) -> None:
+        try:
+            response = await self.http.post(
+                f"{self.vllm.url}/abort_requests", json={"request_ids": ids}, timeout=30.0
+            )
+            response.raise_for_status()
+        except httpx.HTTPError as exc:  # a restarted vLLM holds none of them anyway
+            self.logger.warning("could not abort %s in vLLM: %r", ids[0], exc)
+            return
+        self.dropped += 1
+        self.logger.info("aborted %s in vLLM: its client went away", ids[0].rsplit("-", 1)[0])
+
+    async def sleep(self) -> dict[str, Any]:
+        """vLLM's sleep mode, level 1: weights offloaded to host memory, KV cache dropped
+        (needs --enable-sleep-mode, which colocated placement passes)."""
+        async with self.swap:
+            await self._admin("/sleep", params={"level": "1"})
+            self.asleep = True
+        return {"asleep": True}
+
+    async def wake(self) -> dict[str, Any]:
+        async with self.swap:
+            await self._wake()
+        return {"asleep": False}
+
+    async def _wake(self) -> None:
+        await self._admin("/wake_up")
+        self.asleep = False
 
     async def load_weights(self, path: Path, version: int, name: str = "") -> dict[str, Any]:
         """Load published `path` as `version` once it is checked (every tensor readable and
@@ -342,6 +415,8 @@ class VllmFrontend:
         await self.ready.wait()  # a restart holds the lock until vLLM is back
         async with self.swap:
             await asyncio.to_thread(check_checkpoint, path)
+            if self.asleep:  # a load wakes the server, as the embedded engine's does
+                await self._wake()
             if is_adapter_dir(path):
                 return await self._load_adapter(path, version, name)
             if self.shared and version == 0 and name != self.model_name:
@@ -494,6 +569,7 @@ class VllmFrontend:
         if self.replica:
             self.replica.healthy()
         self.weight_group, self.version = None, -1  # a new vLLM: base weights, no group
+        self.asleep = False  # and awake
         if self.weights is not None:  # back to what it held before
             await self._swap_weights(*self.weights)
         for served, (path, version) in list(self.adapters.items()):
@@ -514,6 +590,10 @@ class VllmBackend:
     def served(self) -> list[str]:
         named = sorted({*self.front.adapters, *self.front.base_points} - {self.model_name})
         return [self.model_name, *named]
+
+    @property
+    def asleep(self) -> bool:
+        return self.front.asleep
 
     def body(self, prompts: list[list[int]], params: Params) -> dict[str, Any]:
         limits = params.limits
@@ -627,6 +707,9 @@ def build_app(
             "policy_version": front.version,
             "backend": "vllm",
             "receiving": receiving["version"],
+            "asleep": front.asleep,  # up, but serving no completions until woken
+            "requests_in_flight": front.in_flight,  # sent on to vLLM, not yet answered
+            "requests_dropped": front.dropped,  # aborted in vLLM: their clients went away
         }
 
     @app.get("/admin/version", dependencies=[Depends(authorized)])
@@ -653,14 +736,11 @@ def build_app(
 
     @app.post("/admin/sleep", dependencies=[Depends(authorized)])
     async def sleep() -> dict:
-        # Level 1: weights offloaded to host memory, KV cache dropped (--enable-sleep-mode).
-        await front._admin("/sleep", params={"level": "1"})
-        return {"asleep": True}
+        return await front.sleep()
 
     @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
     async def wake_up() -> dict:
-        await front._admin("/wake_up")
-        return {"asleep": False}
+        return await front.wake()
 
     return app
 

@@ -42,6 +42,7 @@ from rl.inference.openai_api import (
     Result,
     chat_messages,
     check_supported,
+    check_text,
     install_errors,
     served_model,
 )
@@ -222,6 +223,7 @@ class AgentProxy:
 
     async def turn(self, sid: str, body: ChatRequest, request: Request) -> Any:
         session, sampling = self._session(sid, request)
+        check_text(body)
         served_model(body, self)
         check_supported(body)
         if body.n != 1:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,3 +50,15 @@ def server(cfg: DictConfig, checkpoint: Path, tmp_path_factory: pytest.TempPathF
 def complete(client: httpx.Client, **body: Any) -> httpx.Response:
     """POST /v1/completions for the tiny model (or `body`'s)."""
     return client.post("/v1/completions", json={"model": "tiny", **body})  # or body's model
+
+
+def send_unread(url: str, body: dict[str, Any], token: str = TOKEN) -> socket.socket:
+    """POST /v1/completions (the tiny model, or `body`'s) sent whole on a socket of its own,
+    the answer never read: closing the socket is the client going away."""
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    raw = json.dumps({"model": "tiny", **body}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    sock = socket.create_connection((host, port), timeout=60)
+    sock.sendall(head.encode() + raw)
+    return sock

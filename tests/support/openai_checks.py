@@ -4,6 +4,9 @@ against the front of a real vLLM."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 
@@ -169,6 +172,57 @@ def check_refusals(api: openai.OpenAI, model: str) -> None:
     api.completions.create(model=model, prompt="ab", max_tokens=2, presence_penalty=0.0)
 
 
+def raw_post(api: openai.OpenAI, route: str, body: dict) -> httpx.Response:
+    """POST `body` as Python's JSON writes it (Infinity, NaN and lone surrogates' escapes
+    included), which the official client refuses to send."""
+    return httpx.post(
+        f"{api.base_url}{route}",
+        content=json.dumps(body),
+        headers={"Authorization": f"Bearer {api.api_key}", "Content-Type": "application/json"},
+        timeout=60,
+    )
+
+
+HI = [{"role": "user", "content": "hi"}]
+UNREADABLE = [
+    ("completions", {"temperature": float("inf")}, "temperature"),
+    ("completions", {"temperature": float("nan")}, "temperature"),
+    ("completions", {"top_p": float("-inf")}, "top_p"),
+    ("completions", {"presence_penalty": float("inf")}, "presence_penalty"),
+    ("completions", {"logit_bias": {"5": float("nan")}}, "logit_bias.5"),
+    ("chat/completions", {"messages": HI, "temperature": float("inf")}, "temperature"),
+    ("completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("completions", {"prompt": ["ab", "\udfff"]}, "prompt[1]"),
+    ("completions", {"stop": ["x\ud800"]}, "stop[0]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+     "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[1].text"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "\ud800", "parameters": {}}}]},
+     "tools[0].function.description"),
+]  # fmt: skip
+
+
+def check_unreadable_numbers_and_text(api: openai.OpenAI, model: str) -> None:
+    """A number field sent as Infinity or NaN, and text holding a lone surrogate (JSON can
+    spell one, UTF-8 cannot encode it), are 400s naming the field, wherever they are; a
+    surrogate pair is one whole character and is served."""
+    for route, extra, param in UNREADABLE:
+        body = {"model": model, "prompt": "ab", "max_tokens": 2, **extra}
+        if route.startswith("chat"):
+            body.pop("prompt")
+        response = raw_post(api, route, body)
+        assert response.status_code == 400, (extra, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    whole = raw_post(
+        api, "completions", {"model": model, "prompt": "\ud83d\ude00", "max_tokens": 2}
+    )
+    assert whole.status_code == 200, whole.text
+
+
 ALL = [
     check_models,
     check_completions,
@@ -177,4 +231,5 @@ ALL = [
     check_stop,
     check_sampling_settings,
     check_refusals,
+    check_unreadable_numbers_and_text,
 ]
