@@ -35,7 +35,7 @@ def run(checkout: Path, extra: list[str], seed: int, out: Path) -> dict[str, flo
     evals = sorted((r for r in records if r["kind"] == "eval"), key=lambda r: r["step"])
     start = min(r["at/generate_start"] for r in rollouts)
     return {
-        "rl_s": train[-1]["at/train_end"] - start,
+        "rl_s": train[-1].get("at/published", train[-1]["at/train_end"]) - start,
         "exact": evals[-1]["eval/exact_match"],
         "staleness": statistics.mean(r["off_policy/staleness_mean"] for r in train),
     }

@@ -30,7 +30,7 @@ from rl.core import lora
 from rl.core.auth import token_auth
 from rl.core.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
 from rl.core.records import is_train
-from rl.core.rundir import RunDir, write_checksums
+from rl.core.rundir import CHECKSUMS, RunDir, write_checksums
 from rl.core.runtime import wait_for_address
 from rl.inference import adapters
 from rl.inference.engine import CompletionJob, Engine, LoadJob
@@ -166,9 +166,9 @@ def test_versions_are_the_base_in_full_then_peft_adapters(runs: dict[str, Path])
     base = lora_weights.base_tensors(state_1)
     assert step_0.keys() == base.keys() and all(torch.equal(step_0[k], base[k]) for k in base)
     step_2 = layout.weights_for(2)
-    assert sorted(p.name for p in step_2.iterdir()) == [
-        "COMPLETE", lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS,
-    ]  # fmt: skip
+    assert sorted(p.name for p in step_2.iterdir()) == sorted([
+        "COMPLETE", CHECKSUMS, lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS,
+    ])  # fmt: skip
     tensors = load_file(step_2 / lora.ADAPTER_WEIGHTS)
     want = lora_weights.adapter_tensors(state_2)
     assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], want[k]) for k in want)

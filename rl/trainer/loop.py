@@ -432,11 +432,13 @@ class Trainer:
             train_start = time.time()
             stats = self.train_step(batch.samples, batch.micro_batches)
             t_train = time.monotonic() - t0 - t_fetch
+            train_end = time.time()  # before the publish, which lets the next batch start
             self.publish(step + 1)
             elapsed = time.monotonic() - t0
             times = {
                 "at/train_start": train_start,  # wall clock, to line up with generation's
-                "at/train_end": time.time(),
+                "at/train_end": train_end,
+                "at/published": time.time(),
                 "time/step": elapsed,
                 "time/wait_batch": t_fetch,
                 "time/train": t_train,

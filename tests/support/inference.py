@@ -14,7 +14,7 @@ import httpx
 import pytest
 from omegaconf import DictConfig
 
-from rl.core.auth import token_auth
+from rl.core.auth import derive, token_auth
 from rl.core.runtime import wait_for_address
 from tests.support.runs import TOKEN, start_role, stop_role, write_run_dir
 
@@ -57,7 +57,8 @@ def send_unread(url: str, body: dict[str, Any], token: str = TOKEN) -> socket.so
     the answer never read: closing the socket is the client going away."""
     host, port = httpx.URL(url).host, httpx.URL(url).port
     raw = json.dumps({"model": "tiny", **body}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
+    key = derive(token)["inference"]  # an API client's key
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
     head += f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
     sock = socket.create_connection((host, port), timeout=60)
     sock.sendall(head.encode() + raw)
