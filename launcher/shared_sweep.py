@@ -36,7 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import ConfigError, PlanError
-from launcher.local import Watch, resume_command, start_children
+from launcher.local import Watch, record_pids, resume_command, start_children
 from launcher.plan import RunPlan, format_plan, plan
 from launcher.processes import (
     FINISHING_ROLES,
@@ -229,6 +229,7 @@ def prepare(points: list[Point], sweep_dir: Path, token: str, base: Path) -> lis
 
 def start(unit: Unit, token: str) -> None:
     unit.children = start_children(unit.plan, unit.run, token)
+    record_pids(unit.run, unit.children)  # as a run alone records them: audits, resume checks
     unit.watch = Watch(unit.cfg, unit.run, unit.children)
 
 
