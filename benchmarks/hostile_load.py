@@ -117,8 +117,9 @@ def corrupt_new_versions(run: RunDir, stop: threading.Event, got: Counter, every
         time.sleep(0.002)
 
 
-def watch_health(run: RunDir, stop: threading.Event, seen: Counter) -> None:
-    while not stop.is_set():
+def watch_health(run: RunDir, stop: threading.Event, seen: Counter, last: int) -> None:
+    """Poll /health until the run's last step (then the servers stop, as they should)."""
+    while not stop.is_set() and current_step(run) < last - 1:
         url = run.read_address("inference-0")
         try:
             body = httpx.get(f"{url}/health", timeout=5).json()
@@ -196,7 +197,8 @@ def main() -> None:
         if launcher.poll() is not None:
             sys.exit(f"the run ended before it served: see {out}")
         time.sleep(0.5)
-    threading.Thread(target=watch_health, args=(run, stop_health, health), daemon=True).start()
+    poll = (run, stop_health, health, args.steps)
+    threading.Thread(target=watch_health, args=poll, daemon=True).start()
     while current_step(run) < args.window[0] and launcher.poll() is None:
         time.sleep(0.5)
     print(f"load from step {current_step(run)}", flush=True)
