@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 from omegaconf import DictConfig
 
-from rl.core.auth import token_auth
+from rl.core.auth import derive, token_auth
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.core.runtime import listen_socket
 from rl.inference.engine import Engine
@@ -211,3 +211,28 @@ def test_requests_are_served_in_the_order_they_came(gated: SimpleNamespace, gate
     while not gated.batches.empty():
         batches.append(gated.batches.get())
     assert batches == [[1], [1], [512], [1]]  # each batch's requests' rows
+
+
+def test_the_runs_rollouts_go_ahead_of_api_clients(gated: SimpleNamespace, gate: Gate) -> None:
+    """Behind a request holding the engine: an API client's 512 rows and 1 row (the API key),
+    then the run's own rollout (the orchestrator's key). The rollout is served next, ahead of
+    both: API clients delay the run's rollouts by the batch already running at most."""
+    api_key = derive(TOKEN)["inference"]
+    with (
+        ThreadPoolExecutor(4) as pool,
+        httpx.Client(base_url=gated.url, headers={"Authorization": f"Bearer {api_key}"},
+                     timeout=WAIT_S) as api,
+    ):  # fmt: skip
+        first = pool.submit(complete, api, prompt="ab", max_tokens=2)
+        assert gate.next_pass() == 1  # the first request holds the engine
+        gated.submitted.get(timeout=WAIT_S)
+        rest = []
+        for client, n in ((api, 512), (api, 1), (gated.client, 1)):  # the last: a rollout
+            rest.append(pool.submit(complete, client, prompt="ab", n=n, max_tokens=2))
+            gated.submitted.get(timeout=WAIT_S)
+        gate.open()
+        assert [f.result(timeout=WAIT_S).status_code for f in (first, *rest)] == [200] * 4
+    batches = []
+    while not gated.batches.empty():
+        batches.append(gated.batches.get())
+    assert batches == [[1], [1], [512], [1]]  # in arrival order: [1], [512], [1], [1]

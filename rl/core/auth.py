@@ -6,7 +6,8 @@ accepts the token itself: every route needs the key of its scope, derived from t
 
 | scope | routes | held by |
 | --- | --- | --- |
-| `inference` | `/v1/*` of the inference servers | the orchestrator; API clients (`api_key`) |
+| `rollout` | `/v1/*`, served ahead of API clients' requests | the orchestrator |
+| `inference` | `/v1/*` of the inference servers | API clients (`<run dir>/api_key`) |
 | `admin` | `/admin/*` but the broadcast: load, sleep, wake, version | the orchestrator |
 | `publish` | `/admin/weights/broadcast` | the trainer |
 | `queue-push` | the queue's `/push` (and `/stats`) | the orchestrator |
@@ -35,21 +36,21 @@ if TYPE_CHECKING:
 
 KEYS_ENV = "RELAY_KEYS"
 TOKEN_ENV = "RELAY_TOKEN"
-SCOPES = ("inference", "admin", "publish", "queue-push", "queue-pull")
+SCOPES = ("rollout", "inference", "admin", "publish", "queue-push", "queue-pull")
 
 # What each role serves (checks) and calls, by the launcher's role names.
 SERVES = {
     "queue": ("queue-push", "queue-pull"),
-    "inference": ("inference", "admin", "publish"),
-    "router": ("inference", "admin", "publish"),
+    "inference": ("rollout", "inference", "admin", "publish"),
+    "router": ("rollout", "inference", "admin", "publish"),
     "orchestrator": (),
     "trainer": (),
 }
 CALLS = {
     "queue": (),
     "inference": (),
-    "router": ("inference", "admin", "publish"),  # passes each call on with its own scope
-    "orchestrator": ("inference", "admin", "queue-push"),
+    "router": ("rollout", "admin", "publish"),  # passes each call on with its own scope
+    "orchestrator": ("rollout", "admin", "queue-push"),
     "trainer": ("queue-pull", "publish"),
 }
 BROADCAST_PREFIX = "/admin/weights/broadcast"
@@ -71,7 +72,7 @@ def scope_of(path: str) -> tuple[str, ...]:
         return ("queue-push", "queue-pull")
     if path == "/openapi.json":  # the API's description: any key of the server
         return SCOPES
-    return ("inference",)
+    return ("rollout", "inference")  # the run's own rollouts first, then API clients
 
 
 def derive(token: str, scopes: Iterable[str] = SCOPES) -> dict[str, str]:
@@ -132,7 +133,9 @@ def scoped_guard(keys: Mapping[str, str]) -> Callable[[Request], None]:
     def check(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
         # Every expected key is compared, so the time taken says nothing about which matched.
-        ok = [hmac.compare_digest(given, e) for e in _bearer(keys, scope_of(request.url.path))]
+        scopes = [s for s in scope_of(request.url.path) if s in keys]
+        ok = [hmac.compare_digest(given, e) for e in _bearer(keys, scopes)]
+        request.state.scope = scopes[ok.index(True)] if any(ok) else None
         if not any(ok):
             scope = " or ".join(scope_of(request.url.path))
             raise HTTPException(

@@ -10,7 +10,10 @@ rl/inference/server.py.
 Requests are taken in arrival order, as many as fit `inference.max_batch_size` rows, and a
 batch decodes until its last row ends: a request waits for the batches of the requests before
 it, never for later ones, and one request (at most max_batch_size rows of at most the context
-length) holds the engine for at most one batch. A request whose client went away is dropped:
+length) holds the engine for at most one batch. The run's own rollouts (sent with the
+orchestrator's key, rl/core/auth.py) are queued ahead of API clients' waiting requests, though
+never ahead of a weight load or sleep queued before them: API clients delay the run's
+rollouts by the batch already running, at most. A request whose client went away is dropped:
 queued, it never runs; decoding, its rows leave the batch at the next step.
 
 Asleep (colocated placement: the trainer's turn), the weights' memory is given back: on GPU
@@ -72,6 +75,11 @@ def load_state_in_place(model: Any, state: dict[str, Any], source: str) -> None:
     model.load_state_dict(state, strict=False)
 
 
+def _overtaken(queued: Any) -> bool:
+    """Whether a rollout job goes ahead of `queued`: an API client's request."""
+    return isinstance(queued, CompletionJob) and not queued.rollout
+
+
 @dataclass
 class CompletionJob:
     """One HTTP completions request, tokenized and validated, waiting for the engine.
@@ -92,6 +100,9 @@ class CompletionJob:
     withdrawn: bool = False
     """Set (Engine.cancel) when the client went away while the job decodes: its rows end at
     the next step."""
+    rollout: bool = False
+    """The run's own rollouts (the orchestrator's key): queued ahead of API clients' requests
+    that wait, never ahead of a weight load or sleep queued before it."""
 
     @property
     def rows(self) -> int:
@@ -213,12 +224,17 @@ class Engine:
             if self._died:
                 _fail([job], EngineStopped(self._died))
                 return job.future
-            self._pending.append(job)
+            at = len(self._pending)
+            if isinstance(job, CompletionJob) and job.rollout:  # ahead of API clients' requests
+                while at and _overtaken(self._pending[at - 1]):
+                    at -= 1
+            self._pending.insert(at, job)
             self._cond.notify()
         return job.future
 
     def _next_work(self) -> list[CompletionJob] | LoadJob | None:
-        """A weight load alone, or the queued requests up to max_batch_size rows (FIFO)."""
+        """A weight load alone, or the queued requests up to max_batch_size rows (in queue
+        order: arrival order, the run's rollouts ahead of API clients')."""
         with self._cond:
             while not self._pending and not self._stopping:
                 self._cond.wait()

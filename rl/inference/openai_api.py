@@ -34,7 +34,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -72,6 +72,9 @@ class Params:
     (rl/inference/router.py)."""
     seeds: tuple[int, ...] | None = None
     """A seed per prompt (Relay's extension), instead of `seed`."""
+    rollout: bool = False
+    """Sent with the run's rollout key (the orchestrator's): served ahead of API clients'
+    requests queued at the same time (rl/core/auth.py)."""
 
 
 @dataclass
@@ -698,6 +701,8 @@ def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> N
             raise APIError(503, ASLEEP)
         check_prompts(ids, body.n, max_tokens, backend, getattr(body, "seeds", None))
         params = endpoint.params(max_tokens, top)
+        if getattr(request.state, "scope", None) == "rollout":
+            params = replace(params, rollout=True)
         if body.stream:  # the response stops iterating the stream when the client goes
             return StreamingResponse(endpoint.events(ids, params), media_type="text/event-stream")
         return endpoint.response(ids, await unless_gone(request, backend.generate(ids, params)))

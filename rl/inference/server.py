@@ -66,7 +66,7 @@ class EngineBackend:
     def _job(self, prompts: list[list[int]], params: Params, sink: Any = None) -> CompletionJob:
         return CompletionJob(
             prompts, params.n, params.max_tokens, params.temperature, params.seed,
-            params.limits, sink, params.model, params.seeds,
+            params.limits, sink, params.model, params.seeds, rollout=params.rollout,
         )  # fmt: skip
 
     async def generate(self, prompts: list[list[int]], params: Params) -> Result:
