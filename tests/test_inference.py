@@ -561,7 +561,7 @@ def test_only_the_trainers_announced_broadcast_is_taken(server: Any) -> None:
         auth = {"Authorization": f"Bearer {keys[scope]}"}
         return httpx.post(f"{server.url}{route}", json=payload, headers=auth, timeout=30)
 
-    for scope in ("inference", "admin", "queue-push", "queue-pull"):
+    for scope in ("rollout", "inference", "admin", "queue-push", "queue-pull"):
         assert post(BROADCAST_ROUTE, scope, body).status_code == 401, scope
     refused = post(BROADCAST_ROUTE, "publish", body)
     assert refused.status_code == 403 and "broadcast refused" in refused.json()["detail"]
@@ -572,7 +572,7 @@ def test_only_the_trainers_announced_broadcast_is_taken(server: Any) -> None:
     assert complete(server.client, prompt="ab", max_tokens=2).status_code == 200
     env = role_env({"RELAY_TOKEN": TOKEN}, "orchestrator")
     assert "RELAY_TOKEN" not in env
-    assert set(decode_keys(env["RELAY_KEYS"])) == {"inference", "admin", "queue-push"}
+    assert set(decode_keys(env["RELAY_KEYS"])) == {"rollout", "admin", "queue-push"}
     assert set(decode_keys(role_env({"RELAY_TOKEN": TOKEN}, "trainer")["RELAY_KEYS"])) == {
         "publish",
         "queue-pull",
