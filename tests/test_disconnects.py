@@ -21,16 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from omegaconf import DictConfig
 
 from rl.core.auth import derive, token_auth
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
-from rl.core.runtime import listen_socket
 from rl.inference.engine import Engine
 from rl.inference.server import build_app
 from tests.support import inference
-from tests.support.inference import complete, send_unread
+from tests.support.inference import complete, send_unread, served_in_thread
 from tests.support.runs import TOKEN, compose_run
 
 cache = inference.cache
@@ -91,25 +89,16 @@ def gated(cfg: DictConfig) -> Iterator[SimpleNamespace]:
     _record(engine, "cancel", cancelled)
     _record(engine, "submit", submitted)
     _record(engine, "_run_batch", batches, lambda jobs: [job.rows for job in jobs])
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, TOKEN, 128), log_config=None))
-    sock = listen_socket("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     engine.start()
-    thread.start()
     try:
-        for _ in range(600):
-            if server.started or not thread.is_alive():
-                break
-            time.sleep(0.05)
-        assert server.started
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=WAIT_S) as client:
-            yield SimpleNamespace(url=url, client=client, gate=gate, cancelled=cancelled,
-                                  submitted=submitted, batches=batches)  # fmt: skip
+        with served_in_thread(build_app(engine, TOKEN, 128)) as url:
+            try:
+                with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=WAIT_S) as client:
+                    yield SimpleNamespace(url=url, client=client, gate=gate, cancelled=cancelled,
+                                          submitted=submitted, batches=batches)  # fmt: skip
+            finally:
+                gate.open()  # passes held at the gate finish, so the server can stop
     finally:
-        gate.open()
-        server.should_exit = True
-        thread.join(timeout=30)
         engine.stop()
 
 

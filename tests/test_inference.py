@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
 from rl.core.auth import decode_keys, derive, role_env, token_auth
@@ -37,14 +35,13 @@ from rl.core.model import (
 )
 from rl.core.paths import ROOT
 from rl.core.rundir import write_checksums
-from rl.core.runtime import listen_socket
 from rl.inference.engine import Engine
 from rl.inference.generation import Limits, generate
 from rl.inference.server import build_app
 from rl.weights.base import BROADCAST_ROUTE
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support import inference
-from tests.support.inference import complete
+from tests.support.inference import complete, served_in_thread
 from tests.support.runs import TOKEN, compose_run
 
 cache, server = inference.cache, inference.server  # the module's server fixtures
@@ -371,21 +368,9 @@ class CrashingEngine(Engine):
 def crashing_server(tiny: tuple[Any, Any], cfg: DictConfig) -> Iterator[str]:
     """build_app over a CrashingEngine, served by uvicorn on a thread at 127.0.0.1."""
     engine = CrashingEngine(*tiny, cfg, logging.getLogger("test"))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, TOKEN, 128), log_config=None))
-    sock = listen_socket("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     engine.start()
-    thread.start()
-    try:
-        for _ in range(600):
-            if server.started or not thread.is_alive():
-                break
-            time.sleep(0.05)
-        assert server.started
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with served_in_thread(build_app(engine, TOKEN, 128)) as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +18,7 @@ import pytest
 from omegaconf import DictConfig
 
 from rl.core.auth import derive, token_auth
-from rl.core.runtime import wait_for_address
+from rl.core.runtime import listen_socket, wait_for_address
 from tests.support.runs import TOKEN, start_role, stop_role, write_run_dir
 
 
@@ -63,3 +66,24 @@ def send_unread(url: str, body: dict[str, Any], token: str = TOKEN) -> socket.so
     sock = socket.create_connection((host, port), timeout=60)
     sock.sendall(head.encode() + raw)
     return sock
+
+
+@contextlib.contextmanager
+def served_in_thread(app: Any) -> Iterator[str]:
+    """`app` served by uvicorn on a thread at 127.0.0.1 (its URL), stopped on leaving."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None))
+    sock = listen_socket("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if server.started or not thread.is_alive():
+                break
+            time.sleep(0.05)
+        assert server.started
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
