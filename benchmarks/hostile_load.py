@@ -64,7 +64,7 @@ def current_step(run: RunDir) -> int:
     return max((r["step"] for r in train_records(run)), default=-1)
 
 
-def attacks(run: RunDir, streams: int, stop: threading.Event, got: Counter) -> None:
+def attacks(run: RunDir, streams: int, got: Counter) -> None:
     """One round of every attack (repeated by the caller while the window lasts)."""
     inference = run.read_address("inference-0")
     queue = run.read_address("queue")
@@ -208,7 +208,7 @@ def main() -> None:
     corrupter.start()
     rounds = 0
     while current_step(run) < args.window[1] and launcher.poll() is None:
-        attacks(run, args.streams, stop_load, got)
+        attacks(run, args.streams, got)
         rounds += 1
     stop_load.set()
     corrupter.join()

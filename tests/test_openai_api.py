@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from omegaconf import DictConfig
 
-from rl.core.auth import bearer_guard, derive
+from rl.core.auth import derive, scoped_guard
 from rl.core.chat import ChatTemplate, parse_turn
 from rl.core.model import build_char_tokenizer, encode_prompt, ensure_checkpoint, load_model
 from rl.core.runtime import wait_for_address
@@ -144,8 +144,8 @@ class Scripted:
 def scripted_client(reply: str) -> tuple[TestClient, Scripted]:
     backend = Scripted(reply)
     app = FastAPI()
-    add_openai_routes(app, backend, bearer_guard(TOKEN))
-    return TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}), backend
+    add_openai_routes(app, backend, scoped_guard(TOKEN))
+    return TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}), backend
 
 
 GUESS = {
@@ -275,7 +275,7 @@ def test_scripted_backend_serves_the_official_client_too() -> None:
     """The scripted app speaks the same protocol: the client reads its tool calls."""
     client, _ = scripted_client(CALLING)
     api = openai.OpenAI(
-        base_url="http://testserver/v1", api_key=TOKEN, http_client=client, max_retries=0
+        base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0
     )
     done = api.chat.completions.create(
         model="scripted", messages=[{"role": "user", "content": "play"}], tools=[GUESS]

@@ -124,9 +124,11 @@ def _bearer(keys: Mapping[str, str], scopes: Iterable[str]) -> list[bytes]:
     return [f"Bearer {keys[s]}".encode() for s in scopes if s in keys]
 
 
-def scoped_guard(keys: Mapping[str, str]) -> Callable[[Request], None]:
+def scoped_guard(credential: str | Mapping[str, str]) -> Callable[[Request], None]:
     """A FastAPI dependency refusing (401) a request without the key of its route's scope
-    (`scope_of`); `keys` holds the scopes this server checks."""
+    (`scope_of`); `credential`: the keys of the scopes this server checks, or a run's token
+    (every scope's)."""
+    keys = as_keys(credential)
 
     from fastapi import HTTPException, Request
 
@@ -144,22 +146,6 @@ def scoped_guard(keys: Mapping[str, str]) -> Callable[[Request], None]:
             )  # fmt: skip
 
     check.__annotations__["request"] = Request  # FastAPI injects by the annotation's class
-    return check
-
-
-def bearer_guard(key: str) -> Callable[[Request], None]:
-    """A FastAPI dependency refusing (401) any request without `Authorization: Bearer <key>`
-    (one key for every route: an agent session's)."""
-    from fastapi import HTTPException, Request
-
-    expected = f"Bearer {key}".encode()
-
-    def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise HTTPException(401, "missing or wrong 'Authorization: Bearer <key>'")
-
-    check.__annotations__["request"] = Request
     return check
 
 

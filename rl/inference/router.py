@@ -267,7 +267,7 @@ def merge(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 
 def build_app(router: Router, keys: Any) -> FastAPI:
-    authorized = scoped_guard(as_keys(keys))
+    authorized = scoped_guard(keys)
     guard = [Depends(authorized)]
     app = FastAPI(title="relay-inference (prefill/decode router)")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rl.core.auth import as_keys, scoped_guard
+from rl.core.auth import scoped_guard
 from rl.core.config import RunConfig
 from rl.core.derive import max_model_len
 from rl.core.lora import ADAPTER_NAME, is_adapter_dir
@@ -190,7 +190,7 @@ def build_app(engine: Engine, keys: Any, max_len: int, run_dir: Path | None = No
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import JSONResponse
 
-    authorized = scoped_guard(as_keys(keys))
+    authorized = scoped_guard(keys)
 
     # The OpenAPI description is served behind the token like every route but /health.
     app = FastAPI(title="relay-inference", openapi_url=None, docs_url=None, redoc_url=None)

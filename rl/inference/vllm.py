@@ -42,7 +42,7 @@ import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from rl.core.auth import as_keys, scoped_guard
+from rl.core.auth import scoped_guard
 from rl.core.config import RunConfig
 from rl.core.derive import max_model_len
 from rl.core.lora import ADAPTER_NAME, is_adapter_dir
@@ -691,7 +691,7 @@ def build_app(
 ) -> FastAPI:
     """Relay's routes in front of vLLM; the OpenAI ones over `openai` (a VllmBackend). Each
     route needs its scope's key of `keys` (a mapping, or the run's token: rl/core/auth.py)."""
-    authorized = scoped_guard(as_keys(keys))
+    authorized = scoped_guard(keys)
 
     app = FastAPI(title="relay-inference (vllm)")
     receiving = add_routes(app, authorized, front, front.logger, run_dir)

@@ -25,7 +25,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 
 from rl.core import wire
-from rl.core.auth import as_keys, scoped_guard
+from rl.core.auth import scoped_guard
 from rl.core.config import DEFAULT_MICRO_BATCH_TOKENS
 from rl.core.records import INT64_MAX, Group, RecordError, RunLimits
 from rl.queue.shards import micro_batches
@@ -111,7 +111,7 @@ def create_app(store: Store, keys: Any, groups_per_step: int, max_off_policy: in
         title="Relay rollout queue", version="1", openapi_url=None, docs_url=None, redoc_url=None
     )
     queue = Queue(store, groups_per_step, max_off_policy, capacity, max_request_bytes, limits)
-    guard = [Depends(scoped_guard(as_keys(keys)))]
+    guard = [Depends(scoped_guard(keys))]
     add_health(app)
     add_push(app, queue, guard)
     add_batch(app, queue, guard)
