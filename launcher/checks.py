@@ -10,7 +10,9 @@ key and the fix (launcher/plan.py calls `check_run` first):
 - a model whose weights are not built or shipped here needs `model.path` (there is no model
   hub): refused before a run starts; the plan (and so a dry run) says so in a note;
 - a cluster without GPUs runs only models whose training state and weights fit the node's host
-  memory, and none served in FP8 (vLLM's CPU build has no FP8 kernels);
+  memory, none served in FP8 (vLLM's CPU build has no FP8 kernels), and no trainer on CUDA;
+- on cluster=local, what this machine cannot do (`check_this_machine`, for a dry run too): GPUs
+  that nvidia-smi does not find, a vLLM backend whose python cannot import vLLM;
 - an FP8 MoE whose experts, split by tensor parallelism, no longer cover whole FP8 blocks
   (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
   expert parallelism, which keeps each expert whole.
@@ -22,6 +24,9 @@ is warned of (`disk_warning`), not refused: the estimate is rough, and space may
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +180,12 @@ def check_cpu_fit(cfg: DictConfig) -> None:
     cluster, model = cfg.cluster, cfg.model
     if cluster.gpus_per_node:
         return
+    if cfg.trainer.device == "cuda":
+        raise PlanError(
+            f"trainer.device=cuda: cluster={cluster.name} has no GPUs (cluster.gpus_per_node=0"
+            + (", and nvidia-smi finds none here" if cluster.kind == ClusterKind.local else "")
+            + "); use trainer.device=auto (the GPUs where there are, else the CPU) or cpu"
+        )
     quantization = model.inference.quantization
     if quantization == "fp8":
         raise PlanError(
@@ -190,6 +201,47 @@ def check_cpu_fit(cfg: DictConfig) -> None:
             f"and cluster={cluster.name} has no GPUs and {cluster.mem_gb_per_node} GB of memory "
             f"per node; use a GPU cluster (cluster=slurm) or a smaller model"
         )
+
+
+def check_this_machine(cfg: DictConfig) -> None:
+    """What a cluster=local run needs of this machine (run where it is planned, so checked
+    here, dry run included): the GPUs it declares, and vLLM where it serves with vLLM."""
+    from launcher.gpus import describe, detect
+
+    if cfg.cluster.kind != ClusterKind.local:
+        return
+    declared = cfg.cluster.gpus_per_node or 0
+    if declared and declared > len(found := detect()):
+        raise PlanError(
+            f"cluster.gpus_per_node={declared}: cluster=local runs on this machine, and "
+            f"{describe(found).split(':')[0]}; leave it unset to use what is found, or plan "
+            f"a cluster's run with cluster=slurm"
+        )
+    if inference_backend(cfg) == Backend.vllm and not cfg.inference.shared:
+        python = cfg.inference.vllm_python or sys.executable
+        if problem := vllm_import_problem(python):
+            raise PlanError(
+                f"inference.backend=vllm: {python} cannot import vLLM ({problem}); install "
+                f"vLLM there, name a python that has it (inference.vllm_python=...), or use "
+                f"inference.backend=embedded"
+            )
+
+
+def vllm_import_problem(python: str) -> str | None:
+    """Why `python` cannot import vllm (found without importing it), or None."""
+    if not shutil.which(python) and not Path(python).is_file():
+        return "no such interpreter"
+    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        done = subprocess.run([python, "-c", find], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"running it failed: {err}"
+    if done.returncode == 1:
+        return "No module named 'vllm'"
+    if done.returncode:
+        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return f"it exited with code {done.returncode}: {last[0]}"
+    return None
 
 
 def check_expert_split(cfg: DictConfig) -> None:

@@ -56,6 +56,9 @@ def main() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         _hydra_entry()
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handling (composing, planning)
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
     except Exception as err:  # noqa: BLE001 - only config errors are summarised
         message = one_line(err)
         if message is None:

@@ -6,6 +6,11 @@ tears everything down together: on success, on Ctrl-C, and as soon as any role d
 it and showing its last log lines), writing summary.json with how it ended. Only our own
 process groups are signalled, by id (launcher/processes.py).
 
+Ctrl-C (or SIGTERM) first asks the trainer to checkpoint the step under way, as a Slurm job's
+time-limit signal does, and waits for it (up to `timeouts.interrupt_s`); a second one stops
+every role at once. Either way the run ends in a few lines, with the command that resumes it,
+and no traceback.
+
 A full disk, met by a role or by the launcher's own writes (pids, wall time, how far metrics
 were followed), ends the run the same way, in one line naming the file and the space left:
 the summary is written if there is room for it (the console says where, or that there was
@@ -19,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -130,6 +136,8 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         run, token = prepare_run_dir(cfg, run_plan)
     else:
         run, token = resume, resume.token()
+        for asked in (run.checkpoint_request, run.checkpointed):  # an earlier Ctrl-C's
+            asked.unlink(missing_ok=True)
     print(plan_header(run_plan, cfg), flush=True)
     print(f"run directory: {run.root}", flush=True)
     follow = Follow(cfg, run, echo=True, group=sweep_group())
@@ -142,8 +150,9 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         record_pids(run, children)
         supervise(run_plan, run, watch, follow)
     except KeyboardInterrupt:
-        print("interrupted: stopping every role", file=sys.stderr, flush=True)
-        _end(cfg, run, children, watch, follow, "interrupted")
+        checkpoint_on_interrupt(run, children, cfg.timeouts.interrupt_s)
+        with ignoring_interrupts():  # the teardown is bounded: let it write the summary
+            _end(cfg, run, children, watch, follow, "interrupted")
         raise SystemExit(130) from None
     except (RunFailed, DiskFull) as err:  # a role failed; the launcher's own write failed
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -192,6 +201,56 @@ def _end(
 
 def resume_command(run: RunDir) -> str:
     return f"to resume at {run.resume_point()}: uv run rl {override('resume', run.root)}"
+
+
+def checkpoint_on_interrupt(run: RunDir, children: list[Child], budget_s: float) -> None:
+    """Ask the trainer to checkpoint the step under way and stop, and wait for it (up to
+    `budget_s`), unless a second Ctrl-C says to stop at once."""
+    trainers = [c for c in children if c.role == "trainer" and c.proc.poll() is None]
+    if not trainers:
+        print("interrupted: stopping every role", file=sys.stderr, flush=True)
+        return
+    print(
+        "interrupted: the trainer checkpoints the step under way, then every role stops "
+        "(Ctrl-C again to stop at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    run.control.mkdir(exist_ok=True)
+    run.checkpoint_request.touch()
+    deadline = time.monotonic() + budget_s
+    try:
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in trainers):
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        print("stopping every role now, without that checkpoint", file=sys.stderr, flush=True)
+        return
+    step = run.checkpointed.read_text().strip() if run.checkpointed.exists() else None
+    if step == "0":
+        print("no step was trained yet, so nothing to checkpoint; stopping every role",
+              file=sys.stderr, flush=True)  # fmt: skip
+    elif step is not None:
+        print(f"checkpointed at step {step}; stopping every role", file=sys.stderr, flush=True)
+    else:
+        said = "stopped" if all(c.proc.poll() is not None for c in trainers) else "did not stop"
+        print(
+            f"the trainer {said} without a checkpoint (waited up to {budget_s:g} s, "
+            "timeouts.interrupt_s); stopping every role",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+@contextlib.contextmanager
+def ignoring_interrupts() -> Iterator[None]:
+    """Ctrl-C and SIGTERM do nothing inside (a third press during the bounded teardown)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

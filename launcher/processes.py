@@ -4,7 +4,9 @@ The local launcher and each Slurm job's supervisor run roles the same way, so bo
 Every role leads its own process group, and teardown signals those groups by id: a role's
 children (torchrun's ranks, vLLM's workers) go with it, and nothing else is touched. A role
 that ended on a full disk (rl/core/disk.py's EXIT_CODE) is not restarted: it ends the run with
-the line it wrote saying so.
+the line it wrote saying so. Nor is one that fails twice in a row with the same exception (the
+`FAILED` line rl/core/runtime.py's `run_role` writes last): restarts are for faults, and a bug
+fails the same way again, so the run ends with that line.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import IO
 from rl.core import disk
 from rl.core.auth import role_env
 from rl.core.rundir import RunDir
-from rl.core.runtime import NAME_ENV, die_with_parent
+from rl.core.runtime import FAILED, NAME_ENV, die_with_parent
 
 STOP_GRACE_S = 5.0
 POLL_S = 0.2
@@ -52,14 +54,30 @@ class Child:
     restarts: int = 0
     hung_for: float | None = None
     """Set when the launcher killed it for showing no sign of life this many seconds."""
+    log_start: int = 0
+    """Where this start's output begins in its log (a restart appends)."""
+    last_error: str | None = None
+    """The exception its previous start failed with (`error`), if it failed with one."""
 
     def restart(self) -> None:
         """Start the role again with the same command (appending to its log)."""
         self.log_file.close()
         again = spawn(self.name, self.role, self.argv, self.env, self.log_path)
-        self.proc, self.log_file = again.proc, again.log_file
+        self.proc, self.log_file, self.log_start = again.proc, again.log_file, again.log_start
         self.restarts += 1
         self.hung_for = None
+
+    def error(self) -> str | None:
+        """The exception this start of the role failed with, as the last line of its traceback
+        (the last `FAILED` line in its log since it started), or None."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_start)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return None
+        said = [line[len(FAILED) :] for line in text.splitlines() if line.startswith(FAILED)]
+        return said[-1] if said else None
 
     def ended(self, code: int) -> str:
         """How it ended, for messages: hung and killed, or exited with `code`."""
@@ -159,6 +177,7 @@ def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: 
     `log_path`. SIGUSR2 is ignored: Slurm sends it to every process of a job before its time
     limit, and only the job's supervisor acts on it."""
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_children
+    log_start = log_file.seek(0, os.SEEK_END)
     proc = subprocess.Popen(
         argv,
         stdout=log_file,
@@ -168,7 +187,7 @@ def spawn(name: str, role: str, argv: list[str], env: dict[str, str], log_path: 
         start_new_session=True,
         preexec_fn=_child_setup,
     )
-    return Child(name, role, proc, log_path, log_file, argv, env)
+    return Child(name, role, proc, log_path, log_file, argv, env, log_start=log_start)
 
 
 def _child_setup() -> None:
@@ -233,17 +252,18 @@ def ended_on_full_disk(child: Child) -> str:
 
 def restart_or_fail(child: Child, code: int, max_restarts: int) -> None:
     """Restart a role that died, or raise RunFailed once it has used its restarts, or at once
-    when it ended on a full disk."""
+    when it ended on a full disk or failed with the same exception as the time before."""
     if code == disk.EXIT_CODE:
         raise RoleDiskFull(ended_on_full_disk(child))
+    error = same_error_again(child)
     if child.restarts >= max_restarts:
         after = f" after {child.restarts} restart(s)" if child.restarts else ""
         raise RunFailed(
-            f"role {child.name} {child.ended(code)}{after}; last lines of "
+            f"role {child.name} {child.ended(code)}{after}{with_error(error)}; last lines of "
             f"{child.log_path}:\n{tail(child.log_path)}"
         )
     print(
-        f"role {child.name} {child.ended(code)}: restarting it "
+        f"role {child.name} {child.ended(code)}{with_error(error)}: restarting it "
         f"({child.restarts + 1} of {max_restarts})",
         file=sys.stderr,
         flush=True,
@@ -251,6 +271,24 @@ def restart_or_fail(child: Child, code: int, max_restarts: int) -> None:
     with open(child.log_path, "ab") as log:
         log.write(f"--- {child.ended(code)}; restarting ---\n".encode())
     child.restart()
+    child.last_error = error
+
+
+def same_error_again(child: Child) -> str | None:
+    """The exception a dead role failed with (None: it failed with none, e.g. killed); raises
+    RunFailed when its previous start failed with the same one, since restarting a bug only
+    meets it again."""
+    error = child.error() if child.hung_for is None else None
+    if error is not None and error == child.last_error:
+        raise RunFailed(
+            f"role {child.name} failed twice in a row with the same error, so it is not "
+            f"restarted again: {error} (traceback in {child.log_path})"
+        )
+    return error
+
+
+def with_error(error: str | None) -> str:
+    return f" ({error})" if error else ""
 
 
 def check_children(
@@ -284,6 +322,8 @@ def check_children(
     for child, code in failed:  # a full disk ends the run, whatever else died with it
         if code == disk.EXIT_CODE:
             raise RoleDiskFull(ended_on_full_disk(child))
+    for child, _ in failed:  # a bug met again ends the run, whatever else died with it
+        same_error_again(child)
     failed.sort(key=lambda item: item[1] >= 0)  # signal deaths (negative codes) first
     spent = [(c, code) for c, code in failed if c.restarts >= max_restarts]
     if spent:
@@ -291,6 +331,7 @@ def check_children(
         names = "; ".join(
             f"role {c.name} {c.ended(code)}"
             + (f" after {c.restarts} restart(s)" if c.restarts else "")
+            + with_error(c.error() if c.hung_for is None else None)
             for c, code in failed
         )
         raise RunFailed(f"{names}; last lines of {first.log_path}:\n{tail(first.log_path)}")

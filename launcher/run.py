@@ -9,7 +9,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_weights, disk_warning
+from launcher.checks import check_this_machine, check_weights, disk_warning
 from launcher.errors import ConfigError
 from launcher.plan import format_plan, plan
 from launcher.report import override
@@ -38,6 +38,7 @@ def launch(cfg: DictConfig) -> None:
         return
     try:
         run_plan = plan(cfg)
+        check_this_machine(cfg)
         base_pending = False  # on Slurm: built by a job this point's jobs start after
         if not cfg.dry_run and shares_a_base(cfg):  # a sweep point: warmed up once per group
             base_pending = start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
@@ -87,24 +88,25 @@ RESUMABLE_GROUPS = ("wandb.", "timeouts.")
 def resume(cfg: DictConfig, target: Path) -> None:
     """Continue the run in `target` with the config it was started with, changed only by the
     overrides given that `resumable` allows (a larger `max_steps` extends a finished run)."""
-    from launcher.report import read_records, read_summary
-    from rl.core.records import is_train
+    from launcher.report import read_summary
 
     run = RunDir(target)
     if not run.is_run():
         raise ConfigError(f"resume={target}: not a run directory (no {CONFIG} and {TOKEN})")
     changes = _resume_changes(cfg, target)
     config = run.load_config()
-    trained = max((r["step"] for r in read_records(run.metrics) if is_train(r)), default=0)
+    # What a resume keeps is what was checkpointed: later steps are trained again.
+    kept = max(step_versions(run.checkpoints), default=0)
     steps = changes.get("max_steps", config.max_steps)
-    if steps < trained:
+    if steps < kept:
         raise ConfigError(
-            f"max_steps={steps}: the run in {target} has trained {trained} steps already"
+            f"max_steps={steps}: the run in {target} has checkpointed {kept} steps already "
+            f"(a resume continues at step {kept + 1})"
         )
-    if read_summary(run).get("status") == "finished" and steps <= trained:
+    if read_summary(run).get("status") == "finished" and steps <= kept:
         raise ConfigError(
-            f"resume={target}: the run has finished its {trained} steps; to train on, give a "
-            f"larger max_steps ({override('resume', target)} max_steps={2 * trained})"
+            f"resume={target}: the run has finished its {kept} steps; to train on, give a "
+            f"larger max_steps ({override('resume', target)} max_steps={2 * kept})"
         )
     changed = []
     for key, value in changes.items():
@@ -113,6 +115,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
             OmegaConf.update(config, key, value, merge=False)
     cfg_now = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), config))
     run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
+    check_this_machine(cfg_now)
     check_weights(cfg_now)
     _check_ended(cfg_now, run)
     warn_of_disk(cfg_now, run.root, max(step_versions(run.checkpoints), default=0))

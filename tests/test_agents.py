@@ -271,6 +271,42 @@ def test_failing_agents_end_only_their_episode(server: Any, caplog: Any) -> None
     assert env.score(example, again.turns) == 0.5
 
 
+def test_an_agent_without_a_reward_is_scored_by_a_single_turn_tasks_reward(server: Any) -> None:
+    """An agent that returns None over a single-turn tasks environment (reverse_text) gets the
+    tasks' reward of its last answer. Before, that reward was given the list of turns and
+    raised (AttributeError: 'list' object has no attribute 'strip'), ending the orchestrator."""
+    answers: list[str] = []
+
+    def agent(task: Task) -> None:
+        api = chat(task)
+        messages = [{"role": "user", "content": task.prompt}]
+        for _ in range(2):  # two turns: the last one is its answer
+            said = api.chat.completions.create(model=task.model, messages=messages)
+            messages += [{"role": "assistant", "content": said.choices[0].message.content}]
+            messages += [{"role": "user", "content": "again"}]
+        answers.append(messages[-2]["content"])
+
+    env = environment(server, agent, tasks="reverse_text")
+    example = env.train_examples()[0]
+    (choice,) = env.rollouts(server.client, [example], 1, 1.0, 1024)
+    assert len(choice.turns) == 2 and choice.turns[-1] == answers[0]
+    want = env.tasks.score(example, answers[0])
+    assert env.score(example, choice.turns) == want
+    assert env.exact_match(example, choice.turns) == env.tasks.exact_match(example, answers[0])
+    # Only the right answer is exact: the reward reads the last turn, not any turn.
+    right = type(choice.turns)(["wrong", example.answer], None, "", {})
+    assert env.exact_match(example, right) and env.score(example, right) == 1.0
+    assert not env.exact_match(example, type(right)([example.answer, "wrong"], None, "", {}))
+
+
+def test_a_tasks_environment_that_plays_its_own_episodes_is_refused() -> None:
+    from rl.orchestrator.agents import check_config
+
+    with pytest.raises(ValueError, match="environment.args.tasks=agent: it plays its own"):
+        cfg = compose_run("experiment=wordle_agent", "environment.args.tasks=agent")
+        check_config(cfg.environment)
+
+
 def test_a_program_agent_gets_its_endpoint_in_the_environment(
     server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,6 +139,53 @@ def test_a_role_hung_past_its_restarts_fails_the_run_naming_it(
             time.sleep(0.1)
 
 
+# A role that fails with an exception (through `run_role`, as every role's entry point does);
+# its message is argv[3], and with argv[4] also its pid, so that each start fails differently.
+FAILING = """
+import os, sys
+from rl.core.runtime import run_role
+
+def main():
+    raise ValueError(sys.argv[3] + (f" in {os.getpid()}" if len(sys.argv) > 4 else ""))
+
+run_role(main)
+"""
+
+
+def fail_until_run_ends(children: list[Child]) -> RunFailed:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            check_children(children, set(), max_restarts=3)
+        except RunFailed as failed:
+            return failed
+        time.sleep(0.1)
+    raise AssertionError("the run did not end")
+
+
+def test_a_role_failing_twice_with_the_same_error_ends_the_run_with_it(
+    run: RunDir, started: list[Child], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Restarts are for faults: a bug met again is not restarted a second time (before, it was
+    restarted max_restarts times and the reason stayed in its log)."""
+    child = start(run, started, "buggy", FAILING, "the same bug")
+    failed = fail_until_run_ends(started)
+    assert child.restarts == 1
+    assert str(failed).startswith(
+        "role buggy failed twice in a row with the same error, so it is not restarted again: "
+        "ValueError: the same bug (traceback in "
+    )
+    err = capsys.readouterr().err
+    assert "role buggy exited with code 1 (ValueError: the same bug): restarting it (1 of 3)" in err
+    assert run.log("buggy").read_text().count("Traceback (most recent call last)") == 2
+    # Failing differently each time is a fault: it gets its restarts.
+    flaky = start(run, started, "flaky", FAILING, "a fault", "with its pid")
+    started.remove(child)
+    child.log_file.close()
+    failed = fail_until_run_ends(started)
+    assert flaky.restarts == 3 and "after 3 restart(s) (ValueError: a fault in " in str(failed)
+
+
 def test_a_server_whose_health_fails_stops_beating_and_is_restarted(
     run: RunDir, started: list[Child], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -152,6 +153,14 @@ def test_local_fsdp_two_cpu_processes() -> None:
         ),
         (["parallel=cp2"], "parallel.trainer.cp=2: environment.max_tokens=12 is too short"),
         (["parallel=tp"], "cluster=local has cluster.gpus_per_node=0"),
+        (
+            ["trainer.device=cuda", "cluster.gpus_per_node=0"],
+            "trainer.device=cuda: cluster=local has no GPUs (cluster.gpus_per_node=0",
+        ),
+        (
+            ["cluster=slurm_cpu", "trainer.device=cuda"],
+            "trainer.device=cuda: cluster=slurm_cpu has no GPUs (cluster.gpus_per_node=0)",
+        ),
         (["parallel=hsdp"], "cluster=local: runs on one node"),
         (
             ["cluster=slurm", "model=glm5", "parallel=ep8", "parallel.trainer.nodes=4"],
@@ -193,6 +202,37 @@ def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:
         plan(compose_run(*overrides))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A local run declaring GPUs that nvidia-smi does not find, or serving with vLLM from a
+    python without it, is refused at plan time in one line (before, the dry run printed
+    CUDA_VISIBLE_DEVICES=0 beside "no GPU found", and the run ended in vLLM's traceback)."""
+    from launcher import gpus
+    from launcher.checks import check_this_machine
+
+    monkeypatch.setattr(gpus, "detect", lambda: [])
+    two = compose_run(
+        "cluster.gpus_per_node=2", "cluster.gpu_memory_gb=80", "inference.backend=embedded"
+    )
+    with pytest.raises(PlanError, match=r"^cluster.gpus_per_node=2: cluster=local runs on this "
+                       r"machine, and no GPU found \(nvidia-smi\); leave it unset"):  # fmt: skip
+        check_this_machine(two)
+    check_this_machine(compose_run("cluster=slurm", "cluster.gpus_per_node=2"))  # not this one
+    monkeypatch.setattr(gpus, "detect", lambda: [gpus.Gpu(0, "H100", 80.0)] * 2)
+    check_this_machine(two)
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: nothing to refuse")
+    vllm = compose_run("inference.backend=vllm", f"inference.vllm_python={sys.executable}")
+    with pytest.raises(PlanError) as err:
+        check_this_machine(vllm)
+    assert str(err.value) == (
+        f"inference.backend=vllm: {sys.executable} cannot import vLLM (No module named 'vllm'); "
+        "install vLLM there, name a python that has it (inference.vllm_python=...), or use "
+        "inference.backend=embedded"
+    )
 
 
 EXTENSION = ["--worker-extension-cls", "rl.weights.sync.VllmWorkerExtension"]

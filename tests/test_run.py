@@ -292,14 +292,35 @@ def test_a_launcher_killed_outright_takes_its_roles_with_it(tmp_path: Path, cach
     assert_no_process_left(run_dir)
 
 
-def test_ctrl_c_stops_every_role(tmp_path: Path, cache: Path) -> None:
-    code, stderr = interrupt_training(tmp_path / "run", cache, "launcher", signal.SIGINT)
+def test_ctrl_c_checkpoints_the_step_in_flight_and_stops_every_role(
+    tmp_path: Path, cache: Path
+) -> None:
+    """Ctrl-C keeps the steps trained: the trainer checkpoints the step under way (before, it
+    was stopped with them lost), then every role stops, with no traceback; a resume counts the
+    checkpointed steps."""
+    run_dir = tmp_path / "run"
+    code, stderr = interrupt_training(run_dir, cache, "launcher", signal.SIGINT)
     assert code == 130
-    assert "interrupted" in stderr
-    assert f"uv run rl resume={tmp_path / 'run'}" in stderr
-    assert_no_process_left(tmp_path / "run")
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["steps"] >= 1
+    assert "interrupted: the trainer checkpoints the step under way" in stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert_no_process_left(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["status"] == "interrupted" and steps >= 1
+    assert f"checkpointed at step {steps}; stopping every role" in stderr
+    assert (run_dir / "checkpoints" / f"step_{steps}" / "COMPLETE").exists()
+    resumes = f"to resume at step {steps + 1}, after checkpoint step_{steps}: uv run rl resume="
+    assert f"{resumes}{run_dir}" in stderr
+    # A resume keeps the checkpointed steps: it may not end before them.
+    again = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", f"resume={run_dir}", f"max_steps={steps - 1}"],
+        cwd=ROOT, env=child_env(cache), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 2
+    assert again.stderr == (
+        f"error: max_steps={steps - 1}: the run in {run_dir} has checkpointed {steps} steps "
+        f"already (a resume continues at step {steps + 1})\n"
+    )
 
 
 def test_a_sweep_over_seeds_shares_its_base_and_groups_its_table(

@@ -577,6 +577,9 @@ class TimeoutsConfig:
     """torch.distributed rendezvous and collectives between trainer ranks."""
     ready_s: float = bounded(900.0, gt=0, text=SECONDS)
     """The launcher waits this long for every server to listen after starting it."""
+    interrupt_s: float = bounded(300.0, gt=0, text=SECONDS)
+    """After Ctrl-C, the local launcher waits this long for the trainer to checkpoint the step
+    under way before it stops every role (a second Ctrl-C stops them at once)."""
     hung_s: float = bounded(120.0, ge=1, note="seconds")
     """A role that shows no sign of life this long is hung: its process group is killed and the
     role restarted. Each role beats from a thread (a server only while its own /health

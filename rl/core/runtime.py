@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -38,6 +40,9 @@ CHECKPOINT_ON_TERM_ENV = "RELAY_CHECKPOINT_ON_TERM"
 # The base URL this process serves, once it has written its address: its heartbeat asks it.
 _serving: dict[str, str] = {}
 RUN_DIR_ENV = "RELAY_RUN_DIR"
+FAILED = "role failed: "
+"""Starts the line a role that fails with an exception writes last to its log (`run_role`):
+the launcher compares it with the one before, and ends the run on the same error twice."""
 INSUFFICIENT_STORAGE = 507
 """A role's server answers this when its disk is full: it is ending, and so is the run."""
 
@@ -46,16 +51,28 @@ def run_role(main: Callable[[], None]) -> None:
     """Run a role's entry point. A full disk ends the process with one line naming what it was
     writing and how much space was left (on stderr: the role's log), and rl/core/disk.py's
     EXIT_CODE, instead of a traceback: the launcher then ends the run with that line rather
-    than restart a role that would meet the same full disk."""
+    than restart a role that would meet the same full disk. Any other exception is written as
+    its traceback and then, last, as one line starting with `FAILED`: the launcher ends the run
+    with that line when the restarted role fails with the same one (a bug, not a fault)."""
     try:
         main()
     except disk.NOT_FAILURES:
         raise
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         full = disk.as_disk_full(err, Path(os.environ.get(RUN_DIR_ENV, ".")))
-        if full is None:
-            raise
-        end_on_full_disk(full)
+        if full is not None:
+            end_on_full_disk(full)
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            print(f"{FAILED}{error_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def error_line(err: BaseException) -> str:
+    """`err` as the last line of its traceback says it (`Type: message`), on one line."""
+    said = "".join(traceback.format_exception_only(type(err), err)).strip()
+    line = " | ".join(part.strip() for part in said.splitlines() if part.strip())
+    return line if len(line) <= 400 else line[:399] + "…"
 
 
 def end_on_full_disk(full: disk.DiskFull, now: bool = False) -> NoReturn:

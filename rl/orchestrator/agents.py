@@ -29,7 +29,10 @@ model sampled (docs/agents.md):
 
 An episode ends when the agent returns. Its reward is what the agent returned (a number in the
 tasks' reward range), or, if it returned None, the tasks environment's reward over the model's
-turns. An agent that raises, returns garbage, or overruns `episode_timeout_s` ends its episode
+turns: the list of them for a multi-turn tasks environment, the last one (the agent's final
+answer) for a single-turn one, whose reward scores one completion. A tasks environment that
+plays its own episodes (another agent) cannot score an agent's, and is refused at plan time.
+An agent that raises, returns garbage, or overruns `episode_timeout_s` ends its episode
 with reward 0 and a logged reason; the run goes on. A callable that never returns cannot be
 stopped from Python: its session is closed (its next request fails) and its thread abandoned;
 a `command` agent's whole process group is killed.
@@ -234,9 +237,17 @@ def check_config(env_cfg: Any) -> None:
 
     args = agent_args(env_cfg)
     try:
-        locate(args.tasks)
+        where = locate(args.tasks)
     except ValueError as err:
         raise ValueError(f"environment.args.tasks={args.tasks}: {err}") from None
+    module, _, name = where.partition(":")
+    tasks = getattr(importlib.import_module(module), name)
+    if isinstance(tasks, type) and tasks.rollouts is not Environment.rollouts:
+        raise ValueError(
+            f"environment.args.tasks={args.tasks}: it plays its own episodes, so its reward "
+            f"cannot score an agent's conversation; name an environment of examples and a "
+            f"reward (reverse_text, arithmetic, gsm8k, countdown, wordle, code_repair, ...)"
+        )
     if args.agent:
         load_agent(args.agent)
     elif shutil.which(str(args.command[0])) is None:
@@ -275,14 +286,21 @@ class AgentEnvironment(Environment):
             return 0.0
         if completion.reward is not None:
             return completion.reward
-        return self.tasks.score(example, list(completion))
+        return self.tasks.score(example, self.scored(completion))
 
     def exact_match(self, example: Example, completion: Transcript) -> bool:
         if completion.failure:
             return False
         if completion.reward is not None:
             return completion.reward >= self.reward_range[1]
-        return self.tasks.exact_match(example, list(completion))
+        return self.tasks.exact_match(example, self.scored(completion))
+
+    def scored(self, completion: Transcript) -> list[str] | str:
+        """What the tasks environment's reward reads: the model's turns for a multi-turn one,
+        the last of them (the agent's answer) for a single-turn one."""
+        if self.tasks.max_turns > 1:
+            return list(completion)
+        return completion[-1] if completion else ""
 
     def metrics(self, example: Example, completion: Transcript) -> dict[str, float]:
         return completion.stats

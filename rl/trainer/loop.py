@@ -421,7 +421,8 @@ class Trainer:
         queue = Peer(self.run_dir.root, "queue", cfg.timeouts.peer_s)
         for step in range(first, cfg.max_steps):
             if self.stop_requested():
-                self.checkpoint(step)
+                if step:  # before the first step there is nothing a resume would keep
+                    self.checkpoint(step)
                 if self.rank == 0:
                     self.run_dir.checkpointed.write_text(str(step))
                 self.log.info("checkpointed at step %d and stopped, as asked", step)
