@@ -11,8 +11,9 @@ key and the fix (launcher/plan.py calls `check_run` first):
   hub): refused before a run starts; the plan (and so a dry run) says so in a note;
 - a cluster without GPUs runs only models whose training state and weights fit the node's host
   memory, none served in FP8 (vLLM's CPU build has no FP8 kernels), and no trainer on CUDA;
-- on cluster=local, what this machine cannot do (`check_this_machine`, for a dry run too): GPUs
-  that nvidia-smi does not find, a vLLM backend whose python cannot import vLLM;
+- what this machine cannot do (`check_this_machine`, for a dry run too): wandb online without
+  an API key; on cluster=local, GPUs that nvidia-smi does not find, a vLLM backend whose python
+  cannot import vLLM;
 - an FP8 MoE whose experts, split by tensor parallelism, no longer cover whole FP8 blocks
   (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
   expert parallelism, which keeps each expert whole.
@@ -24,9 +25,12 @@ is warned of (`disk_warning`), not refused: the estimate is rough, and space may
 
 from __future__ import annotations
 
+import netrc
+import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +212,7 @@ def check_this_machine(cfg: DictConfig) -> None:
     here, dry run included): the GPUs it declares, and vLLM where it serves with vLLM."""
     from launcher.gpus import describe, detect
 
+    check_wandb_login(cfg)
     if cfg.cluster.kind != ClusterKind.local:
         return
     declared = cfg.cluster.gpus_per_node or 0
@@ -225,6 +230,25 @@ def check_this_machine(cfg: DictConfig) -> None:
                 f"vLLM there, name a python that has it (inference.vllm_python=...), or use "
                 f"inference.backend=embedded"
             )
+
+
+def check_wandb_login(cfg: DictConfig) -> None:
+    """wandb online needs an API key (WANDB_API_KEY, or a `wandb login` in ~/.netrc): without
+    one, wandb.init fails after the run directory is made."""
+    from launcher.tracking import wandb_mode
+
+    if wandb_mode(cfg) != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        if netrc.netrc().authenticators(host.hostname or ""):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise PlanError(
+        "wandb.mode=online: no wandb API key here (WANDB_API_KEY, or `wandb login`); set one, "
+        "or use wandb.mode=offline (the run's wandb/ folder, to `wandb sync` later)"
+    )
 
 
 def vllm_import_problem(python: str) -> str | None:

@@ -205,7 +205,7 @@ def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:
 
 
 def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A local run declaring GPUs that nvidia-smi does not find, or serving with vLLM from a
     python without it, is refused at plan time in one line (before, the dry run printed
@@ -223,6 +223,16 @@ def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
     check_this_machine(compose_run("cluster=slurm", "cluster.gpus_per_node=2"))  # not this one
     monkeypatch.setattr(gpus, "detect", lambda: [gpus.Gpu(0, "H100", 80.0)] * 2)
     check_this_machine(two)
+    # wandb online without a key: wandb.init failed after the run directory was made.
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    online = compose_run("wandb.mode=online", "cluster=slurm")
+    with pytest.raises(PlanError, match=r"^wandb.mode=online: no wandb API key here"):
+        check_this_machine(online)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password k\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    check_this_machine(online)
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is importable here: nothing to refuse")
     vllm = compose_run("inference.backend=vllm", f"inference.vllm_python={sys.executable}")
