@@ -2,7 +2,9 @@
 
 Config errors (an unknown option, key or type, a cross-group contradiction) end in one line
 on stderr naming the key and what is valid, with a non-zero exit and nothing started; so does
-a full disk met before the roles start.
+a full disk met before the roles start. `rl action=status [run_dir=<dir>]` is answered before
+Hydra is imported (launcher/status.py), and `rl --help` without composing a run
+(launcher/help.py).
 """
 
 from __future__ import annotations
@@ -10,19 +12,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import hydra
-from omegaconf import DictConfig
-
-from rl.core.config import register
 from rl.core.paths import CONF
 
-register()
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 CONF_DIR = str(CONF)
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_entry(cfg: DictConfig) -> None:
+def _run(cfg: DictConfig) -> None:
+    """What Hydra calls with the composed config (once per point of a sweep)."""
     from launcher.errors import ConfigError, PlanError, check_added_keys
     from launcher.run import launch
     from rl.core.disk import as_disk_full
@@ -43,15 +44,29 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def _hydra_entry() -> None:
+    """Compose the run from the command line and conf/ with Hydra, and run it."""
+    import hydra
+
+    from rl.core.config import register
+
+    register()
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_run)()
+
+
 def main() -> None:
     """Console entry point of `rl`."""
-    from launcher.errors import one_line
+    from launcher.status import fast_status
 
+    if fast_status(sys.argv[1:]):
+        return
     if {"--help", "-h"} & set(sys.argv[1:]):
         from launcher.help import format_help
 
         print(format_help([a for a in sys.argv[1:] if not a.startswith("-")]))
         return
+    from launcher.errors import one_line
+
     # Let composition errors reach us so they can be reported in one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

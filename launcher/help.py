@@ -78,6 +78,7 @@ def composed(overrides: list[str]) -> Any:
     help then shows no values)."""
     from hydra import compose, initialize_config_dir
 
+    config.register()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
