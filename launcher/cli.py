@@ -3,8 +3,8 @@
 Config errors (an unknown option, key or type, a cross-group contradiction) end in one line
 on stderr naming the key and what is valid, with a non-zero exit and nothing started; so does
 a full disk met before the roles start. `rl action=status [run_dir=<dir>]` is answered before
-Hydra is imported (launcher/status.py), and `rl --help` without composing a run
-(launcher/help.py).
+Hydra is imported (launcher/status.py); `rl --help` lists the settings and `rl --help <key>`
+prints one's whole description (launcher/help.py).
 """
 
 from __future__ import annotations
@@ -61,9 +61,7 @@ def main() -> None:
     if fast_status(sys.argv[1:]):
         return
     if {"--help", "-h"} & set(sys.argv[1:]):
-        from launcher.help import format_help
-
-        print(format_help([a for a in sys.argv[1:] if not a.startswith("-")]))
+        _help([a for a in sys.argv[1:] if not a.startswith("-")])
         return
     from launcher.errors import one_line
 
@@ -76,6 +74,21 @@ def main() -> None:
         if message is None:
             raise
         sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+def _help(words: list[str]) -> None:
+    """`rl --help [overrides]`: the groups and settings; `rl --help <key> ...`: the whole
+    description of each key given (a setting, group or section)."""
+    from launcher.errors import ConfigError
+    from launcher.help import describe, format_help
+
+    overrides = [w for w in words if "=" in w]
+    keys = [w for w in words if "=" not in w]
+    try:
+        print(describe(keys, overrides) if keys else format_help(overrides))
+    except ConfigError as err:
+        sys.stderr.write(f"error: {err}\n")
         sys.exit(2)
 
 
