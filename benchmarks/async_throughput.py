@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rl.core.records import is_train
+from rl.core.kinds import is_train
 from rl.core.rundir import RunDir
 from tests.support.runs import ROOT
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rl.core.records import is_eval, is_train
+from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import RunDir
 from tests.support.runs import ROOT
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from launcher.sweep_summary import sweep_points
-from rl.core.records import is_eval
+from rl.core.kinds import is_eval
 from tests.support.runs import ROOT
 
 

@@ -51,8 +51,8 @@ import torch
 from omegaconf import DictConfig
 
 from rl.core.derive import learning_rate
+from rl.core.kinds import is_eval, is_train
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
-from rl.core.records import is_eval, is_train
 from rl.core.rundir import RunDir, mark_complete
 from rl.envs import Environment, make_environment
 from rl.inference.generation import generate

@@ -2,7 +2,9 @@
 
 Config errors (an unknown option, key or type, a cross-group contradiction) end in one line
 on stderr naming the key and what is valid, with a non-zero exit and nothing started; so does
-a full disk met before the roles start.
+a full disk met before the roles start. `rl action=status [run_dir=<dir>]` is answered before
+Hydra is imported (launcher/status.py); `rl --help` lists the settings and `rl --help <key>`
+prints one's whole description (launcher/help.py).
 """
 
 from __future__ import annotations
@@ -10,19 +12,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import hydra
-from omegaconf import DictConfig
-
-from rl.core.config import register
 from rl.core.paths import CONF
 
-register()
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 CONF_DIR = str(CONF)
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_entry(cfg: DictConfig) -> None:
+def _run(cfg: DictConfig) -> None:
+    """What Hydra calls with the composed config (once per point of a sweep)."""
     from launcher.errors import ConfigError, PlanError, check_added_keys
     from launcher.run import launch
     from rl.core.disk import as_disk_full
@@ -43,15 +44,27 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def _hydra_entry() -> None:
+    """Compose the run from the command line and conf/ with Hydra, and run it."""
+    import hydra
+
+    from rl.core.config import register
+
+    register()
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_run)()
+
+
 def main() -> None:
     """Console entry point of `rl`."""
+    from launcher.status import fast_status
+
+    if fast_status(sys.argv[1:]):
+        return
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        _help([a for a in sys.argv[1:] if not a.startswith("-")])
+        return
     from launcher.errors import one_line
 
-    if {"--help", "-h"} & set(sys.argv[1:]):
-        from launcher.help import format_help
-
-        print(format_help([a for a in sys.argv[1:] if not a.startswith("-")]))
-        return
     # Let composition errors reach us so they can be reported in one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
@@ -64,6 +77,21 @@ def main() -> None:
         if message is None:
             raise
         sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+def _help(words: list[str]) -> None:
+    """`rl --help [overrides]`: the groups and settings; `rl --help <key> ...`: the whole
+    description of each key given (a setting, group or section)."""
+    from launcher.errors import ConfigError
+    from launcher.help import describe, format_help
+
+    overrides = [w for w in words if "=" in w]
+    keys = [w for w in words if "=" not in w]
+    try:
+        print(describe(keys, overrides) if keys else format_help(overrides))
+    except ConfigError as err:
+        sys.stderr.write(f"error: {err}\n")
         sys.exit(2)
 
 

@@ -13,9 +13,6 @@ import sys
 import typing
 from functools import cache
 
-from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf.errors import OmegaConfBaseException
-
 
 class ConfigError(ValueError):
     """A run config that cannot start (already phrased for the user)."""
@@ -41,6 +38,9 @@ def _options(group: str) -> list[str]:
 
 def one_line(err: BaseException) -> str | None:
     """A one-line message for a config error, or None when `err` is not one."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
     if isinstance(err, PlanError):
         return str(err)
     if isinstance(err, MissingConfigException):

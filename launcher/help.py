@@ -1,12 +1,15 @@
 """`rl --help`: each config group's options, then every setting with its default and the first
 sentence of its description, read from the schema's field docstrings (rl/core/config.py) without
-importing anything heavy. `rl --cfg job` still prints the whole composed config."""
+importing anything heavy; a line that does not show its whole description says how to read it:
+`rl --help <key>` (a setting, or a group or section for each of its settings) prints it whole.
+`rl --cfg job` still prints the whole composed config."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,12 @@ rl: Relay, asynchronous RL for LLMs. Compose a run from config groups and overri
   uv run rl --cfg job --resolve                 (the whole composed config, values resolved)
 """
 FOOTER = """\
+A description that goes on ends in (more: rl --help <key>): that prints it whole, and
+rl --help <group or section> every description in it (e.g. rl --help algorithm).
 dry_run=true prints the plan without starting anything; action=status shows the newest run;
 resume=<run dir> continues one. Docs: README.md, docs/."""
+WIDTH = 90
+"""Of a setting's description in the list; `rl --help <key>` wraps it whole to this width."""
 
 
 def field_docs() -> dict[str, dict[str, str]]:
@@ -47,10 +54,20 @@ def field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
-def first_sentence(text: str, width: int = 90) -> str:
+def first_sentence(text: str, width: int = WIDTH) -> str:
     flat = " ".join(text.split()).replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
     sentence = re.split(r"(?<=[.;])\s", flat, maxsplit=1)[0].rstrip(".;").replace("\0", " ")
     return sentence if len(sentence) <= width else sentence[: width - 3] + "..."
+
+
+def summary(text: str, key: str) -> str:
+    """A setting's description for its line of the list: the first sentence, and where that
+    is not all of it (cut, or more sentences follow) how to read the rest."""
+    whole = " ".join(text.split()).rstrip(".")
+    if first_sentence(text) == whole:
+        return whole
+    more = f" (more: rl --help {key})"
+    return first_sentence(text, max(WIDTH - len(more), 40)) + more
 
 
 def _schema_class(field: dataclasses.Field) -> type | None:
@@ -64,13 +81,19 @@ def _lines(cls: type, prefix: str, docs: dict[str, dict[str, str]], values: Any)
     for field in dataclasses.fields(cls):
         if _schema_class(field) is not None:
             continue  # listed as a section of its own
-        value = OmegaConf.select(values, f"{prefix}{field.name}")
-        shown = "" if value is None else f"={getattr(value, 'value', value)}"
+        key = f"{prefix}{field.name}"
+        shown = _value(values, key)
         if len(shown) > 30:
             shown = shown[:27] + "..."
-        doc = first_sentence(docs.get(cls.__name__, {}).get(field.name, ""))
-        lines.append(f"  {prefix}{field.name}{shown}".ljust(44) + f" {doc}")
+        doc = summary(docs.get(cls.__name__, {}).get(field.name, ""), key)
+        lines.append(f"  {key}{shown}".ljust(44) + f" {doc}")
     return lines
+
+
+def _value(values: Any, key: str) -> str:
+    """`=value` as the config composed it ("" where it did not compose, or holds None)."""
+    value = None if values is None else OmegaConf.select(values, key)
+    return "" if value is None else f"={getattr(value, 'value', value)}"
 
 
 def composed(overrides: list[str]) -> Any:
@@ -78,6 +101,7 @@ def composed(overrides: list[str]) -> Any:
     help then shows no values)."""
     from hydra import compose, initialize_config_dir
 
+    config.register()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
@@ -129,4 +153,29 @@ def format_help(overrides: list[str]) -> str:
         out += _lines(cls, f"{name}." if name else "", docs, values)
     out.append("")
     out.append(FOOTER)
+    return "\n".join(out)
+
+
+def describe(keys: list[str], overrides: list[str]) -> str:
+    """The whole description of each of `keys` (a setting; a group or section: each of its
+    settings), with its value as `overrides` compose it; ConfigError for a key the schema
+    does not have."""
+    from launcher.errors import ConfigError, unknown_key
+
+    docs, values = field_docs(), composed(overrides)
+    out: list[str] = []
+    for key in keys:
+        found = [
+            (f"{name}.{field.name}" if name else field.name, cls, field)
+            for name, cls in sections()
+            for field in dataclasses.fields(cls)
+            if _schema_class(field) is None
+        ]
+        chosen = [entry for entry in found if entry[0] == key or entry[0].startswith(f"{key}.")]
+        if not chosen:
+            raise ConfigError(unknown_key(key))
+        for name, cls, field in chosen:
+            text = " ".join(docs.get(cls.__name__, {}).get(field.name, "").split())
+            out.append(f"{name}{_value(values, name)}")
+            out += textwrap.wrap(text, WIDTH, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(out)

@@ -138,7 +138,7 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         run, token = resume, resume.token()
         for asked in (run.checkpoint_request, run.checkpointed):  # an earlier Ctrl-C's
             asked.unlink(missing_ok=True)
-    print(plan_header(run_plan, cfg), flush=True)
+    print(plan_header(run_plan, cfg, resume), flush=True)
     print(f"run directory: {run.root}", flush=True)
     follow = Follow(cfg, run, echo=True, group=sweep_group())
     children = start_children(run_plan, run, token)

@@ -42,6 +42,7 @@ from rl.core.derive import (
     learning_rate,
     max_model_len,
 )
+from rl.core.rundir import RunDir
 
 RUN_ARGS = ["--run-dir", "${RELAY_RUN_DIR}"]
 """Every role's arguments: its run directory, which each process's environment names."""
@@ -412,8 +413,9 @@ class LocalDevices:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
 
 
-def plan_header(p: RunPlan, cfg: DictConfig) -> str:
-    """The plan in one line: what runs where, how long, with what learning rate."""
+def plan_header(p: RunPlan, cfg: DictConfig, resume: RunDir | None = None) -> str:
+    """The plan in one line: what runs where, how long, with what learning rate; for a
+    `resume`, what its trainer picks up from rather than the warm-up it no longer runs."""
     replicas = cfg.parallel.inference.replicas
     inference = f"x{replicas}" + (" (shared by the sweep)" if cfg.inference.shared else "")
     return (
@@ -421,10 +423,22 @@ def plan_header(p: RunPlan, cfg: DictConfig) -> str:
         f"{p.batch_size} samples, trainer world {p.trainer_world_size} "
         f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
         f"lr {p.lr:g}, inference backend {p.backend} {inference}, "
-        f"async_level {cfg.algorithm.async_level}, placement {cfg.placement}, warm-up "
-        f"{cfg.warmup.steps} steps, seed {cfg.seed}, "
+        f"async_level {cfg.algorithm.async_level}, placement {cfg.placement}, "
+        f"{warm_up(cfg, resume)}, seed {cfg.seed}, "
         + ("reproducible" if not p.inexact else f"not reproducible ({'; '.join(p.inexact)})")
     )
+
+
+def warm_up(cfg: DictConfig, resume: RunDir | None) -> str:
+    """The warm-up the trainer runs: none on a resume from a checkpoint (the trainer loads
+    it), all of it again on a resume before the first checkpoint."""
+    checkpoint = resume.latest_checkpoint() if resume is not None else None
+    if checkpoint is not None:
+        return f"no warm-up (resumes from checkpoint {checkpoint.name})"
+    if not cfg.warmup.steps:
+        return "no warm-up"
+    again = " again (no checkpoint yet)" if resume is not None else ""
+    return f"warm-up {cfg.warmup.steps} steps{again}"
 
 
 def format_plan(p: RunPlan, cfg: DictConfig) -> str:

@@ -8,26 +8,43 @@ writes only the run directory (rl/core/rundir.py), so it imports no launcher mod
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
-from rl.core.config import RunConfig
-from rl.core.derive import inexact
 from rl.core.disk import DiskFull, writing
-from rl.core.records import is_eval, is_train, kind_of
+from rl.core.kinds import is_eval, is_train, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
+
+if TYPE_CHECKING:  # `rl action=status` reads summaries without the schema's imports
+    from omegaconf import DictConfig
+
+    from rl.core.config import RunConfig
 
 WEIGHT_BYTES = ("weights/update_bytes", "weights/full_bytes")
 LAST_STEPS = 10
 """A run's final train reward is the mean over this many last steps (one step is noisy)."""
 
 
-def plot(records: list[dict], target: Path, title: str) -> None:
+def exact_match_se(record: dict[str, Any]) -> float:
+    """The standard error of an eval's exact match over its held-out prompts (each one a hit
+    or a miss)."""
+    exact, n = record["eval/exact_match"], max(record.get("eval/samples", 1), 1)
+    return math.sqrt(exact * (1 - exact) / n)
+
+
+def plot_title(name: str, run: RunDir) -> str:
+    """The plot's title: the run's name and its directory's own name (when it started, or a
+    sweep point's number and overrides), not the whole path."""
+    return f"{name}  {run.root.name}"
+
+
+def figure(records: list[dict], title: str) -> Any:
+    """The reward plot: train reward per step, eval reward and eval exact match per version,
+    the exact match with its standard error as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,16 +52,17 @@ def plot(records: list[dict], target: Path, title: str) -> None:
 
     train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
+    versions = [r["step"] for r in evals]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward")
-    ax.plot(
-        [r["step"] for r in evals],
-        [r["eval/reward/mean"] for r in evals],
-        "o-",
-        label="eval reward",
-    )
-    ax.plot(
-        [r["step"] for r in evals], [r["eval/exact_match"] for r in evals], "s-", label="eval exact"
+    ax.plot(versions, [r["eval/reward/mean"] for r in evals], "o-", label="eval reward")
+    ax.errorbar(
+        versions,
+        [r["eval/exact_match"] for r in evals],
+        yerr=[exact_match_se(r) for r in evals],
+        fmt="s-",
+        capsize=3,
+        label="eval exact match (± SE)",
     )
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("trainer step (policy version)")
@@ -52,6 +70,13 @@ def plot(records: list[dict], target: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(records: list[dict], target: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(records, title)
     fig.savefig(target, dpi=100)
     plt.close(fig)
 
@@ -98,6 +123,8 @@ def summarize(
     """What summary.json says of a run: how it ended (and, given a `reason`, why), what it was
     started with (its overrides and seeds, and whether the config alone decides it), how far it
     got, its last rewards and its mean pace (a sweep's table compares these)."""
+    from rl.core.derive import inexact
+
     train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
     reasons = inexact(cfg)
@@ -162,7 +189,7 @@ def finish_run(
     if records:
         try:
             with writing(run.reward_plot, partial=run.reward_plot):
-                plot(records, run.reward_plot, f"{cfg.name}: {run.root}")
+                plot(records, run.reward_plot, plot_title(cfg.name, run))
         except DiskFull as full:
             print(f"warning: no reward plot: {full}", file=sys.stderr, flush=True)
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])

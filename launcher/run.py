@@ -15,7 +15,7 @@ from launcher.plan import format_plan, plan
 from launcher.report import override
 from launcher.sweep_base import shares_a_base, start_from_base
 from rl.core.config import Action, ClusterKind, RunConfig
-from rl.core.rundir import CONFIG, TOKEN, RunDir, step_versions, write_atomic
+from rl.core.rundir import CONFIG, INTERNAL, TOKEN, RunDir, step_versions, write_atomic
 
 
 def launch(cfg: DictConfig) -> None:
@@ -29,10 +29,11 @@ def launch(cfg: DictConfig) -> None:
         return
     if cfg.action != Action.run:
         from launcher import slurm
+        from launcher.status import status
 
-        actions = {Action.status: slurm.status, Action.cancel: slurm.cancel, Action.export: export}
-        try:
-            actions[cfg.action](cfg, run_dir)
+        actions = {Action.status: status, Action.cancel: slurm.cancel, Action.export: export}
+        try:  # the runs are found under the outputs folder, two levels above this one's
+            actions[cfg.action](cfg.run_dir, run_dir.parent.parent)
         finally:
             _remove_if_empty(run_dir)
         return
@@ -91,8 +92,16 @@ def resume(cfg: DictConfig, target: Path) -> None:
     from launcher.report import read_summary
 
     run = RunDir(target)
+    if run.has_old_layout():
+        raise ConfigError(
+            f"resume={target}: written by an earlier Relay (its internals at the top level, not "
+            f"in {INTERNAL}/), which cannot be resumed; start a new run from its weights: "
+            f"model.path={target}/weights/step_N"
+        )
     if not run.is_run():
-        raise ConfigError(f"resume={target}: not a run directory (no {CONFIG} and {TOKEN})")
+        raise ConfigError(
+            f"resume={target}: not a run directory (no {CONFIG} and {INTERNAL}/{TOKEN})"
+        )
     changes = _resume_changes(cfg, target)
     config = run.load_config()
     # What a resume keeps is what was checkpointed: later steps are trained again.
@@ -200,11 +209,11 @@ def _remove_if_empty(run_dir: Path) -> None:
             return
 
 
-def export(cfg: DictConfig, here: Path) -> None:
+def export(run_dir: str | None, outputs: Path) -> None:
     """Print where the run's newest published version is as full HF weights (a LoRA run's
     adapter merged into its base first)."""
-    from launcher.slurm import find_run
+    from launcher.status import find_run
     from rl.weights.lora import export as export_weights
 
-    run = find_run(cfg, here)
+    run = find_run(run_dir, outputs)
     print(f"full weights: {export_weights(run)}")

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
-from launcher.plan import RunPlan
 from rl.core.rundir import RunDir
+
+if TYPE_CHECKING:  # `rl action=status` asks `running_roles` without Hydra's imports
+    from omegaconf import DictConfig
+
+    from launcher.plan import RunPlan
 
 
 def prepare_run_dir(cfg: DictConfig, run_plan: RunPlan) -> tuple[RunDir, str]:
     """Write the run directory Hydra chose for this run; returns it and the run's token."""
+    from hydra.core.hydra_config import HydraConfig
+
     run = RunDir(Path(HydraConfig.get().runtime.output_dir).resolve())
     token = secrets.token_hex(16)
     run.create(cfg, token, run_plan.to_json())

@@ -12,8 +12,6 @@ clients themselves are called through launcher/slurm_cli.py.
 from __future__ import annotations
 
 import getpass
-import json
-import pwd
 import shutil
 from pathlib import Path
 
@@ -23,14 +21,12 @@ from omegaconf import DictConfig, open_dict
 from launcher.errors import ConfigError
 from launcher.plan import RunPlan, sbatch_parameters
 from launcher.processes import FINISHING_ROLES
-from launcher.report import override, read_records, read_summary, sweep_group
-from launcher.run_dir import prepare_run_dir, running_roles
+from launcher.report import override, sweep_group
+from launcher.run_dir import prepare_run_dir
 from launcher.slurm_cli import (
-    JobState,
     Partition,
     cancel_run,
     ended,
-    failure_reason,
     job_states,
     partitions,
     read_jobs,
@@ -38,11 +34,9 @@ from launcher.slurm_cli import (
     slurm,
     write_jobs,
 )
+from launcher.status import find_run, format_status
 from launcher.supervisor import JobRoles
-from launcher.sweep_summary import write_sweep_summary
-from launcher.tracking import ETA_WINDOW, duration
-from rl.core.records import is_eval, is_train
-from rl.core.rundir import CONFIG, RunDir
+from rl.core.rundir import RunDir
 
 
 def preflight(cfg: DictConfig, run_plan: RunPlan) -> str:
@@ -223,152 +217,13 @@ def submit_together(
         print(f"run directory: {run.root}")
         for name, job_id in ids.items():
             print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")
-        print(f"logs: {run.logs}/ (roles), {run.root / 'slurm'}/<job>/ (each job's supervisor)")
+        print(f"logs: {run.logs}/ (roles), {run.slurm}/<job>/ (each job's supervisor)")
         print(f"status: uv run rl action=status {override('run_dir', run.root)}")
 
 
-def _newest(records: list[dict]) -> dict | None:
-    return max(records, key=lambda r: r["step"]) if records else None
-
-
-def run_state(run: RunDir) -> str:
-    """running, finished, failed, interrupted (nothing of it alive and no end recorded); for a
-    Slurm run also cancelled, and queued while its jobs have not started."""
-    if run.complete.exists():
-        return "finished"
-    ids = read_jobs(run)
-    if ids:
-        reason = failure_reason(run)
-        if reason is not None:
-            return "cancelled" if reason.startswith("cancelled") else "failed"
-        try:
-            states = [s.state.split()[0] for s in job_states(list(ids.values())).values()]
-        except ConfigError:
-            return "submitted"
-        return "running" if "RUNNING" in states else "queued" if states else "submitted"
-    if running_roles(run):
-        return "running"
-    return read_summary(run).get("status", "interrupted")
-
-
-def eta(train: list[dict], max_steps: int) -> str:
-    """Time left at the pace of the last steps recorded (their timestamps)."""
-    last = sorted(train, key=lambda r: r["step"])[-ETA_WINDOW:]
-    if len(last) < 2 or last[-1]["step"] <= last[0]["step"]:
-        return ""
-    pace = (last[-1]["timestamp"] - last[0]["timestamp"]) / (last[-1]["step"] - last[0]["step"])
-    return f", ETA {duration(pace * (max_steps - last[-1]['step']))}"
-
-
-def format_status(run: RunDir) -> str:
-    """The run's state, jobs, latest step and eval, how it ended, and where its logs are, for
-    `action=status`."""
-    state = run_state(run)
-    jobs = read_jobs(run)
-    lines = [f"run {run.root}: {state}", *_job_lines(jobs), *_attempt_lines(run)]
-    records = read_records(run.metrics)
-    train, evaluation = (
-        _newest([r for r in records if is_train(r)]),
-        _newest([r for r in records if is_eval(r)]),
-    )
-    if train:
-        max_steps = run.load_config().max_steps
-        pace = eta([r for r in records if is_train(r)], max_steps)
-        lines.append(
-            f"  latest step {train['step']}/{max_steps}: reward {train['reward/mean']:.3f}"
-            f"{pace if state == 'running' else ''}"
-        )
-    else:
-        lines.append("  no trainer step yet")
-    if evaluation:
-        lines.append(
-            f"  latest eval at version {evaluation['step']}: exact_match "
-            f"{evaluation['eval/exact_match']:.3f}"
-        )
-    if run.complete.exists():
-        lines.append("  complete")
-    reason = failure_reason(run)
-    if reason is not None:
-        lines.append(f"  ended: {reason}")
-    if state in ("interrupted", "failed", "stopped") and not jobs:
-        lines.append(f"  resume at {run.resume_point()}: uv run rl {override('resume', run.root)}")
-    lines.append(f"  logs: {run.logs}/")
-    if jobs:
-        lines.append(f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out")
-    return "\n".join(lines)
-
-
-def _job_lines(ids: dict[str, str]) -> list[str]:
-    """A table of the jobs' states (none for no jobs); when Slurm cannot say, that, and the
-    rest of the status still shows."""
-    if not ids:
-        return []
-    try:
-        states = job_states(list(ids.values()))
-    except ConfigError as err:
-        return [f"  job states unavailable: {err}"]
-    lines = [f"  {'job':<10} {'id':>7}  {'state':<30} {'elapsed':>9}  nodes"]
-    for name, job_id in ids.items():
-        s = states.get(job_id, JobState("UNKNOWN", "", "", ""))
-        lines.append(f"  {name:<10} {job_id:>7}  {shown_state(s):<30} {s.elapsed:>9}  {s.nodes}")
-    return lines
-
-
-def shown_state(s: JobState) -> str:
-    """The state as a person reads it: who cancelled by name, not uid, and the reason only
-    while it still holds (Slurm keeps the last pending reason, JobHeldUser from the held
-    submission, on jobs long since run)."""
-    words = s.state.split()
-    if len(words) == 3 and words[1] == "by" and words[2].isdigit():
-        try:
-            words[2] = pwd.getpwuid(int(words[2])).pw_name
-        except KeyError:
-            pass
-    state = " ".join(words)
-    pending = words[0] in ("PENDING", "REQUEUED", "SUSPENDED", "CONFIGURING")
-    return f"{state} ({s.reason})" if pending and s.reason not in ("None", "") else state
-
-
-def _attempt_lines(run: RunDir) -> list[str]:
-    """The jobs of the run's earlier submissions (a resumed run's), each with its end."""
-    lines = []
-    for path in sorted(run.ended.glob("jobs-*.json")):
-        attempt = path.stem.removeprefix("jobs-")
-        ids = json.loads(path.read_text())["jobs"]
-        failure = run.ended / f"failure-{attempt}.json"
-        why = json.loads(failure.read_text())["reason"] if failure.exists() else "resubmitted"
-        lines.append(f"  earlier submission {attempt}: {why}")
-        lines += ["  " + line for line in _job_lines(ids)]
-    return lines
-
-
-def find_run(cfg: DictConfig, here: Path) -> RunDir:
-    """The run `run_dir` names, or the newest run of any name under the outputs folder
-    (`here` is the run directory Hydra chose for this command, two levels below it)."""
-    if cfg.run_dir:
-        run = RunDir(Path(cfg.run_dir))
-        if not run.config.exists():
-            raise ConfigError(f"run_dir={cfg.run_dir}: not a run directory (no {CONFIG})")
-        return run
-    outputs = here.parent.parent
-    runs = [RunDir(p.parent) for p in outputs.glob(f"**/{CONFIG}")]
-    if not runs:
-        raise ConfigError(f"no run found under {outputs}; pass run_dir=")
-    return max(runs, key=lambda run: run.config.stat().st_mtime)
-
-
-def status(cfg: DictConfig, here: Path) -> None:
-    """The run's status; for a sweep directory, its comparison table (written anew)."""
-    if cfg.run_dir and not RunDir(Path(cfg.run_dir)).config.exists():
-        table = write_sweep_summary(Path(cfg.run_dir))
-        if table is not None:
-            print(table.read_text())
-            return
-    print(format_status(find_run(cfg, here)))
-
-
-def cancel(cfg: DictConfig, here: Path) -> None:
-    run = find_run(cfg, here)
+def cancel(run_dir: str | None, outputs: Path) -> None:
+    """Cancel the run's jobs (`action=cancel`), recording who did, and show its status."""
+    run = find_run(run_dir, outputs)
     if not read_jobs(run):
         raise ConfigError(f"run_dir={run.root}: not a Slurm run (no {run.jobs.name})")
     cancel_run(run, f"cancelled by {getpass.getuser()} (rl action=cancel)")

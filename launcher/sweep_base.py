@@ -91,9 +91,9 @@ def start_from_base(cfg: DictConfig, sweep_dir: Path) -> bool:
     if cfg.cluster.kind == ClusterKind.slurm:
         after = submitted_base(cfg, run)
     else:
-        run.root.mkdir(parents=True, exist_ok=True)
+        run.internal.mkdir(parents=True, exist_ok=True)
         # Points run side by side (Hydra's array-job launcher): one warms up, the rest wait.
-        with open(run.root / ".warm-up.lock", "w") as lock:
+        with open(run.warm_up_lock, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not is_complete(weights):
                 warm_up(cfg, run, secrets.token_hex(16), "sweep base")

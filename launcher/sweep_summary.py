@@ -18,7 +18,7 @@ from launcher.errors import ConfigError
 from launcher.report import read_records, read_summary
 from launcher.run_dir import running_roles
 from launcher.slurm_cli import job_states, read_jobs
-from rl.core.records import is_eval, is_train
+from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import SERVICE, RunDir, point_dirs
 
 COLUMNS = (

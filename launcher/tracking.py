@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import secrets
 import time
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from rl.core.records import RecordKind, kind_of
+from launcher.report import exact_match_se
+from rl.core.kinds import RecordKind, kind_of
 from rl.core.rundir import RunDir, write_atomic
 
 ETA_WINDOW = 20
@@ -33,7 +31,7 @@ class MetricsTail:
     requeued launch) starts where this one stopped."""
 
     def __init__(self, run: RunDir) -> None:
-        self.metrics, self.mark = run.metrics, run.root / "metrics.followed"
+        self.metrics, self.mark = run.metrics, run.metrics_followed
         try:
             self.offset = int(self.mark.read_text())
         except (FileNotFoundError, ValueError):
@@ -69,8 +67,9 @@ class Tracker:
             return
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
+        from omegaconf import OmegaConf
 
-        id_file = run.root / "wandb_id"
+        id_file = run.wandb_id
         if not id_file.exists():
             write_atomic(id_file, secrets.token_hex(6))
         # A Slurm job's supervisor holds the typed RunConfig the run directory loads as.
@@ -193,7 +192,7 @@ class Console:
         """The exact match with its standard error over the held-out prompts, and the change
         since the previous eval, so that a drop within the noise reads as such."""
         exact, n = r["eval/exact_match"], max(r.get("eval/samples", 1), 1)
-        noise = math.sqrt(exact * (1 - exact) / n)
+        noise = exact_match_se(r)
         change = ""
         if self.last_eval is not None:
             delta = exact - self.last_eval["eval/exact_match"]

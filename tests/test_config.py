@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -80,6 +82,23 @@ def test_help_lists_groups_and_documented_settings() -> None:
     assert any(x.split()[:3] == ["max_steps=300", "RL", "trainer"] for x in lines if x.strip())
     glm5 = rl("model=glm5", "--help").stdout
     assert "  model.name=glm5 " in glm5
+    # A line that does not show its whole description says how to read the rest.
+    seed = next(x for x in lines if x.strip().startswith("seed="))
+    assert seed.endswith(" (more: rl --help seed)")
+
+
+def test_help_of_a_key_prints_its_whole_description() -> None:
+    from launcher.errors import ConfigError
+    from launcher.help import describe
+
+    out = rl("--help", "algorithm.lr")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "algorithm.lr=0.0003"
+    assert "`rl --cfg job --resolve` shows the value." in " ".join(out.stdout.split())
+    warmup = describe(["warmup"], ["warmup.steps=7"]).splitlines()
+    assert "warmup.steps=7" in warmup and "warmup.seed=0" in warmup
+    with pytest.raises(ConfigError, match="algorithm.lrr: no such setting; did you mean"):
+        describe(["algorithm.lrr"], [])
 
 
 def test_one_learning_rate_shown_resolved() -> None:
@@ -205,3 +224,19 @@ def test_sweep_points_are_named_after_their_overrides() -> None:
     assert dirname("algorithm.lr=0.001,max_steps=4") == "algorithm.lr=0.001,max_steps=4"
     assert dirname("model.path=/data/w/step_4") == "model.path=_data_w_step_4"  # one level
     assert dirname("") == "defaults"
+
+
+def test_tab_completion_as_the_readme_sets_it_up() -> None:
+    """`rl` on the PATH (the activated environment) completes groups, options and keys
+    through Hydra's bash completion."""
+    script = (
+        'eval "$(rl -sc install=bash)"; '
+        'COMP_LINE="rl environment=wo"; COMP_POINT=${#COMP_LINE}; COMP_CWORD=1; '
+        'hydra_bash_completion; echo "${COMPREPLY[*]}"'
+    )
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["environment=wordle"]

@@ -184,7 +184,7 @@ def test_a_role_on_a_full_disk_ends_the_run_in_one_line(tmp_path: Path) -> None:
     said = log.read_text()
     assert "Traceback" not in said, said
     line = said.strip().splitlines()[-1]
-    store = root / "queue.sqlite"
+    store = RunDir(root).queue_store
     assert re.fullmatch(rf"queue: disk full writing {store} {FREE.pattern}", line), said
     assert pushed.status_code == 507 and pushed.json()["detail"] == line.removeprefix("queue: ")
     assert str(ended.value) == (

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.plan import plan
 from rl.core.config import EnvironmentConfig
-from rl.core.records import is_train
+from rl.core.kinds import is_train
 from rl.envs import BUILT_IN, ENTRY_POINT_GROUP, Example, make_environment, registry
 from tests.support.runs import ROOT, compose_run
 

@@ -131,9 +131,7 @@ def test_a_role_that_keeps_dying_stops_the_run(tmp_path: Path, cache: Path) -> N
         first.run()  # in this thread: returns once it has killed
         assert first.killed_pid is not None
         deadline = time.monotonic() + 120
-        while (again := json.loads((run_dir / "pids.json").read_text())["queue"]) == (
-            first.killed_pid
-        ):
+        while (again := RunDir(run_dir).read_pids()["queue"]) == (first.killed_pid):
             assert time.monotonic() < deadline, "the queue was not restarted"
             time.sleep(0.1)
         os.killpg(again, signal.SIGKILL)  # its one restart is spent
@@ -223,11 +221,11 @@ def test_a_role_that_dies_while_the_run_starts_is_restarted(tmp_path: Path, cach
     launcher = start(run_dir, cache)
     try:
         deadline = time.monotonic() + 120
-        while not (run_dir / "pids.json").exists():
+        while not RunDir(run_dir).pids.exists():
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
             time.sleep(0.02)
         assert not RunDir(run_dir).address_file("inference-0").exists()
-        os.killpg(json.loads((run_dir / "pids.json").read_text())["inference-0"], signal.SIGKILL)
+        os.killpg(RunDir(run_dir).read_pids()["inference-0"], signal.SIGKILL)
         deadline = time.monotonic() + 600
         while not trained_steps(run_dir):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()

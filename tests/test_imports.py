@@ -181,6 +181,7 @@ LAUNCHER_LAYERS = (
     ("launcher.plan",),
     ("launcher.run_dir", "launcher.processes", "launcher.slurm_cli"),
     ("launcher.sweep_summary",),
+    ("launcher.status",),
     ("launcher.local", "launcher.supervisor"),
     ("launcher.slurm",),
     ("launcher.sweep_base",),

@@ -28,8 +28,8 @@ from launcher.errors import PlanError
 from launcher.plan import plan
 from rl.core import lora
 from rl.core.auth import token_auth
+from rl.core.kinds import is_train
 from rl.core.model import encode_prompt, ensure_checkpoint, load_model, load_tokenizer
-from rl.core.records import is_train
 from rl.core.rundir import CHECKSUMS, RunDir, write_checksums
 from rl.core.runtime import wait_for_address
 from rl.inference import adapters

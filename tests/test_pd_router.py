@@ -17,6 +17,7 @@ import httpx
 import pytest
 from omegaconf import DictConfig
 
+from rl.core.rundir import RunDir
 from tests.support.pd import greedy, long_prompts, pd_replica, same_choices
 from tests.support.vllm import MARKS, trained_checkpoint, vllm_config
 
@@ -85,7 +86,7 @@ def test_a_weight_update_reaches_both_before_either_serves_it(
     for client in (replica.router, replica.prefill, replica.decode):
         assert client.get("/admin/version").json() == {"policy_version": 1}
     # KV kept by prompt from the old weights is gone: decode must not load it for the new.
-    assert not any((replica.run_dir / "kv" / "inference-0").rglob("*.safetensors"))
+    assert not any(RunDir(replica.run_dir).kv_files("inference-0").rglob("*.safetensors"))
     direct = greedy(replica.prefill, prompts)
     after = greedy(replica.router, prompts)
     assert [c["token_ids"] for c in after] != [c["token_ids"] for c in before]

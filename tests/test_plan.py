@@ -14,7 +14,8 @@ import pytest
 
 from launcher.checks import check_weights
 from launcher.errors import PlanError
-from launcher.plan import format_plan, plan
+from launcher.plan import format_plan, plan, plan_header
+from rl.core.rundir import RunDir, mark_complete
 from tests.support.runs import ROOT, compose_run, options
 
 DENSE = ("tiny", "smollm2_135m", "qwen3_0_6b")
@@ -619,3 +620,18 @@ def test_planned_gpus_are_the_jobs_own() -> None:
     assert bind_devices("0,1", "4,5,6,7") == "4,5"  # Slurm gave the job GPUs 4-7
     with pytest.raises(ConfigError, match="only 4,5"):
         bind_devices("2", "4,5")
+
+
+def test_a_resumes_plan_line_says_whether_the_trainer_warms_up_again(tmp_path: Path) -> None:
+    """A resume from a checkpoint does not warm up again; one before the first checkpoint
+    does, and the plan line says which."""
+    cfg = compose_run("warmup.steps=80")
+    p, run = plan(cfg), RunDir(tmp_path)
+    assert ", warm-up 80 steps, seed 0," in plan_header(p, cfg)
+    assert ", warm-up 80 steps again (no checkpoint yet), seed" in plan_header(p, cfg, run)
+    run.checkpoint_for(40).mkdir(parents=True)
+    mark_complete(run.checkpoint_for(40))
+    resumed = plan_header(p, cfg, run)
+    assert ", no warm-up (resumes from checkpoint step_40), seed" in resumed
+    assert "warm-up 80" not in resumed
+    assert ", no warm-up, seed" in plan_header(p, compose_run("warmup.steps=0"))

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rl.core import wire
 from rl.core.auth import token_auth
+from rl.core.rundir import RunDir
 from rl.core.runtime import wait_for_address
 from rl.queue.shards import micro_batches, partition
 from tests.support.runs import TOKEN as RL_TESTING_TOKEN
@@ -42,7 +43,7 @@ def group(version: int, lengths: tuple[int, ...] = (3, 5), reward: float = 0.5) 
 
 
 def start(run_dir: Path) -> SimpleNamespace:
-    (run_dir / "addresses" / "queue.json").unlink(missing_ok=True)
+    RunDir(run_dir).address_file("queue").unlink(missing_ok=True)
     proc = start_role("queue", run_dir)
     url = wait_for_address(run_dir, "queue", timeout=60)
     client = httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=30)
@@ -395,7 +396,7 @@ def test_a_store_that_lost_commits_refuses_to_start(tmp_path: Path) -> None:
     from rl.queue.store import PAGE_BYTES, Store, StoreLost
 
     run = RunDir(tmp_path / "run")
-    run.root.mkdir()
+    run.internal.mkdir(parents=True)
     store = Store(run.queue_store, run.queue_marks)
     for step in range(6):  # one transaction per push and per assembly, all in the WAL
         assert store.push([Group.parse(group(step))] * 2, batch=step) == [

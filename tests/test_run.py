@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from launcher.run_dir import group_alive
-from rl.core.records import is_eval, is_train
+from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import RunDir
 from rl.queue.store import Store
 from tests.support.repro import differences, records_by_step
@@ -140,9 +140,21 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
     assert summary["status"] == "finished" and summary["steps"] == 20
     assert "max_steps=20" in summary["overrides"]
     assert 0.0 <= summary["reward/last"] <= 1.0
-    for name in ("config.yaml", "plan.json", "reward.png", "summary.json", "token"):
-        assert (run_dir / name).exists(), name
-    assert oct((run_dir / "token").stat().st_mode & 0o777) == "0o600"
+    # The top level holds what a user reads; the processes' own files are in .relay/.
+    assert {p.name for p in run_dir.iterdir()} == {
+        "config.yaml", "plan.json", "api_key", "metrics.jsonl", "summary.json", "reward.png",
+        "logs", "rollouts", "weights", "checkpoints", "wandb", ".relay",
+    }  # fmt: skip
+    run = RunDir(run_dir)
+    for path in (
+        run.token_file,
+        run.pids,
+        run.queue_store,
+        run.wall_time,
+        run.address_file("queue"),
+    ):
+        assert path.is_relative_to(run.internal) and path.exists(), path
+    assert oct(run.token_file.stat().st_mode & 0o777) == "0o600"
     for role in ("queue", "orchestrator", "inference-0", "trainer"):
         assert (run_dir / "logs" / f"{role}.log").stat().st_size > 0
     assert "Warning" not in (run_dir / "logs" / "queue.log").read_text()
@@ -250,7 +262,7 @@ def wait_for_training(run_dir: Path, launcher: subprocess.Popen[str]) -> dict[st
         assert launcher.poll() is None, launcher.communicate()
         assert time.monotonic() < deadline, "no trainer step within 300 s"
         time.sleep(0.2)
-    return json.loads((run_dir / "pids.json").read_text())
+    return RunDir(run_dir).read_pids()
 
 
 def interrupt_training(run_dir: Path, cache: Path, target: str, sig: int) -> tuple[int, str]:
@@ -285,7 +297,7 @@ def test_a_launcher_killed_outright_takes_its_roles_with_it(tmp_path: Path, cach
     run_dir = tmp_path / "run"
     code, _ = interrupt_training(run_dir, cache, "launcher", signal.SIGKILL)
     assert code == -signal.SIGKILL
-    pids = json.loads((run_dir / "pids.json").read_text())
+    pids = RunDir(run_dir).read_pids()
     deadline = time.monotonic() + 60  # each role's SIGTERM handling, on a loaded machine
     while any(map(group_alive, pids.values())) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -386,3 +398,21 @@ def test_colocated_placement_takes_turns_on_policy(tmp_path: Path, cache: Path) 
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     threads = {p["name"]: p["env"]["OMP_NUM_THREADS"] for p in plan["processes"] if p["env"]}
     assert threads == {"inference-0": "2", "trainer": "2"}  # every core, in turn
+
+
+def test_a_run_directory_of_the_old_layout_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Run directories written before the internals moved into .relay/ cannot be resumed;
+    the refusal says so and how to go on from their weights."""
+    from launcher.errors import ConfigError
+    from launcher.run import resume
+
+    (tmp_path / "config.yaml").write_text("max_steps: 10\n")
+    (tmp_path / "token").write_text("t0ken")
+    with pytest.raises(ConfigError) as refused:
+        resume(None, tmp_path)  # refused before the command line is read
+    message = str(refused.value)
+    assert (
+        message.startswith(f"resume={tmp_path}: written by an earlier Relay")
+        and "\n" not in message
+    )
+    assert f"model.path={tmp_path}/weights/step_N" in message

@@ -24,8 +24,8 @@ import pytest
 
 from launcher.run_dir import group_alive
 from rl.core.auth import token_auth
+from rl.core.kinds import is_train
 from rl.core.model import ensure_checkpoint, load_tokenizer
-from rl.core.records import is_train
 from rl.core.rundir import (
     BASE,
     SERVICE,
@@ -234,7 +234,9 @@ def test_a_shared_sweep_runs_its_points_together_and_a_failed_point_ends_alone(
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            victim = next(iter(sweep.glob("1-*/pids.json")), None)
+            victim = next(
+                (p for p in (RunDir(d).pids for d in sweep.glob("1-*")) if p.exists()), None
+            )
             if victim is not None and "trainer" in json.loads(victim.read_text()):
                 break
             time.sleep(0.2)

@@ -19,7 +19,7 @@ import pytest
 from launcher import slurm_cli
 from launcher.processes import spawn, stop_children
 from launcher.report import read_records
-from rl.core.records import is_eval, is_train
+from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import RunDir
 
 RL = str(Path(sys.executable).with_name("rl"))
@@ -129,7 +129,7 @@ def test_run_completes_across_nodes_and_reward_rises(tmp_path: Path) -> None:
     assert {name: s.state for name, s in states.items()} == dict.fromkeys(states, "COMPLETED")
     assert set(states) == {"control", "inference", "trainer"}
     assert states["inference"].nodes != states["trainer"].nodes, states
-    assert (run_dir / "complete").exists() and not (run_dir / "failure.json").exists()
+    assert RunDir(run_dir).complete.exists() and not RunDir(run_dir).failure.exists()
     assert train_steps(run_dir) == list(range(1, 201))
     summary = json.loads((run_dir / "summary.json").read_text())
     first, last = summary["eval/exact_match/first"], summary["eval/exact_match/last"]
@@ -165,7 +165,7 @@ def test_a_vllm_replica_spanning_two_nodes_serves_a_run_and_comes_back_without_o
         600,
         "the fourth batch",
     )
-    (beat,) = (run_dir / "heartbeats").glob("inference-0-node1.*")
+    (beat,) = RunDir(run_dir).heartbeats.glob("inference-0-node1.*")
     os.killpg(int(beat.suffix[1:]), signal.SIGKILL)  # the second node's role and its vLLM
     states = final_states(run_dir, timeout=900)
     assert {name: s.state for name, s in states.items()} == dict.fromkeys(states, "COMPLETED")
@@ -200,7 +200,7 @@ def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
     slurm_cli.slurm("scancel", ids["inference"])
     states = final_states(run_dir, timeout=180)
     assert {s.state.split()[0] for s in states.values()} == {"CANCELLED"}, states
-    failure = json.loads((run_dir / "failure.json").read_text())
+    failure = json.loads(RunDir(run_dir).failure.read_text())
     assert failure["job"] == "inference"
     assert f"job inference ({ids['inference']}) ended CANCELLED" in failure["reason"]
     # Cancelled jobs leave the queue once Slurm has ended their processes.
@@ -245,7 +245,7 @@ def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
     assert "resuming: the queue holds batches" in orchestrator
     # No step lost and none repeated across either requeue.
     assert train_steps(run_dir) == list(range(1, 61))
-    assert (run_dir / "complete").exists()
+    assert RunDir(run_dir).complete.exists()
 
 
 @needs_slurm
@@ -639,26 +639,29 @@ def test_sigterm_makes_the_trainer_checkpoint_first(supervisor_for) -> None:
     assert sup.stopping and sup.children == []
 
 
-@pytest.mark.parametrize("marker", ["complete", "failure.json", "done/trainer"])
+@pytest.mark.parametrize("marker", ["complete", "failure", "done"])
 def test_a_finished_run_is_not_requeued(tmp_path: Path, marker: str) -> None:
     from launcher.supervisor import JobRoles
 
-    (tmp_path / marker).parent.mkdir(exist_ok=True)
-    (tmp_path / marker).touch()
+    run = RunDir(tmp_path)
+    path = run.done("trainer") if marker == "done" else getattr(run, marker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
     with pytest.raises(SystemExit) as ended:
         JobRoles(str(tmp_path), "trainer").checkpoint()
     assert ended.value.code == 0
     # A run with work left is requeued (submitit requeues what checkpoint returns).
-    if marker == "done/trainer":
+    if marker == "done":
         assert JobRoles(str(tmp_path), "inference").checkpoint() is not None
 
 
 def test_status_without_the_accounting_database(tmp_path: Path, monkeypatch) -> None:
     """`action=status` reads the controller when sacct cannot answer, and still shows the
     run when neither can."""
-    from launcher.slurm import format_status
+    from launcher.status import format_status
 
     run = RunDir(tmp_path)
+    run.internal.mkdir()
     slurm_cli.write_jobs(run, "cpu", {"control": "11", "trainer": "12"})
     squeue = "11|COMPLETED|node1|9:00|None\n12|RUNNING|node2|9:00|None"
     monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm(squeue=squeue, sacct=DBD_DOWN))
@@ -677,9 +680,10 @@ def test_status_shows_current_reasons_user_names_and_every_attempt(
     """A job cancelled by root reads `CANCELLED by root`, without the pending reason it kept
     from its held submission; a pending job keeps its reason; a resumed run's earlier
     submissions are listed with how they ended."""
-    from launcher.slurm import format_status
+    from launcher.status import format_status
 
     run = RunDir(tmp_path)
+    run.internal.mkdir()
     slurm_cli.write_jobs(run, "cpu", {"control": "11", "trainer": "12"})
     slurm_cli.record_failure(run, "job trainer (12) ended NODE_FAIL", "trainer")
     run.end_submission()
@@ -696,7 +700,7 @@ def test_status_shows_current_reasons_user_names_and_every_attempt(
     assert "  earlier submission 0: job trainer (12) ended NODE_FAIL" in lines
     cancelled = next(x for x in lines if " 11 " in x)
     assert "CANCELLED by root" in cancelled and "JobHeldUser" not in cancelled
-    assert f"  job logs: {run.root / 'slurm'}/<job>/<id>_0_log.out" in lines
+    assert f"  job logs: {run.slurm}/<job>/<id>_0_log.out" in lines
 
 
 @needs_slurm
@@ -730,7 +734,7 @@ def test_a_shared_inference_sweep_is_one_inference_job_and_each_points_own(
     assert train_steps(points[0]) == list(range(1, 31))
     cancelled = final_states(points[1], timeout=180)
     assert cancelled["trainer"].state.split()[0] == "CANCELLED", cancelled
-    assert json.loads((points[1] / "failure.json").read_text())["job"] == "trainer"
+    assert json.loads(RunDir(points[1]).failure.read_text())["job"] == "trainer"
     assert len(train_steps(points[1])) < 30
     served = final_states(service, timeout=180)
     assert served["inference"].state == "COMPLETED", served

@@ -1,18 +1,21 @@
-"""`rl action=status` on local runs: the state, the step with its ETA, the last eval, the
-logs, and the newest run whatever its name. Run directories are written here by hand, with a
-real process standing in for a live role."""
+"""`rl action=status` on local runs: the state, the step with its ETA, the last eval, the wall
+time, where the logs, plot and summary are, and the newest run whatever its name; answered
+without Hydra, numpy or torch. Run directories are written here by hand, with a real process
+standing in for a live role."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import pytest
 
-from launcher.slurm import find_run, format_status
+from launcher.status import fast_status, find_run, format_status
+from rl.core.paths import ROOT
 from rl.core.rundir import RunDir
 from tests.support.runs import compose_run
 
@@ -35,6 +38,7 @@ def test_a_live_run_says_running_with_its_eta(tmp_path: Path) -> None:
     role = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
         run.write_pids({"trainer": role.pid})
+        run.wall_time.write_text("75.0")
         status = format_status(run)
     finally:
         role.kill()
@@ -42,7 +46,9 @@ def test_a_live_run_says_running_with_its_eta(tmp_path: Path) -> None:
     assert status.splitlines()[0] == f"run {run.root}: running"
     assert "latest step 4/10: reward 0.400, ETA 12s" in status  # 6 steps left at 2 s each
     assert "latest eval at version 0: exact_match 0.250" in status
+    assert "wall time 1m15s so far" in status
     assert f"logs: {run.logs}/" in status
+    assert "plot:" not in status and "summary:" not in status  # neither is written yet
 
 
 def test_an_ended_run_says_how(tmp_path: Path) -> None:
@@ -52,8 +58,12 @@ def test_an_ended_run_says_how(tmp_path: Path) -> None:
     assert status.splitlines()[0].endswith(": interrupted") and "ETA" not in status
     assert f"uv run rl resume={run.root}" in status
     for how in ("finished", "failed"):
-        run.summary.write_text(json.dumps({"status": how}))
+        run.summary.write_text(json.dumps({"status": how, "wall_s": 61.4}))
         assert format_status(run).splitlines()[0].endswith(f": {how}")
+    run.reward_plot.write_bytes(b"")
+    status = format_status(run).splitlines()
+    assert "  wall time 1m01s" in status
+    assert status[-2:] == [f"  plot: {run.reward_plot}", f"  summary: {run.summary}"]
 
 
 def test_status_finds_the_newest_run_of_any_name(tmp_path: Path) -> None:
@@ -61,9 +71,25 @@ def test_status_finds_the_newest_run_of_any_name(tmp_path: Path) -> None:
     older = make_run(outputs / "reverse_text-tiny" / "2026-01-01_00-00-00", "reverse_text-tiny", 2)
     newer = make_run(outputs / "wordle-tiny" / "2026-01-02_00-00-00", "wordle-tiny", 2)
     os.utime(older.config, (1, 1))
-    here = outputs / "reverse_text-tiny" / "2026-01-03_00-00-00"  # this command's own dir
-    cfg = OmegaConf.create({"run_dir": None, "name": "reverse_text-tiny"})
-    assert find_run(cfg, here).root == newer.root
+    assert find_run(None, outputs).root == newer.root
+
+
+def test_status_answers_without_hydra_numpy_or_torch(tmp_path: Path) -> None:
+    """`rl action=status` is answered before anything heavy is imported (composing the config
+    alone takes seconds); a command line it does not know is left to Hydra."""
+    run = make_run(tmp_path / "run", "quick", steps=2)
+    heavy = ("torch", "transformers", "hydra", "omegaconf", "numpy", "submitit", "matplotlib")
+    code = (
+        "import sys; from launcher.cli import main; "
+        f"sys.argv = ['rl', 'action=status', 'run_dir={run.root}']; main(); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"run {run.root}: interrupted")
+    assert out.stdout.splitlines()[-1] == "[]"
+    assert not fast_status(["action=status", f"hydra.run.dir={tmp_path}"])
+    assert not fast_status(["action=cancel", f"run_dir={run.root}"])
 
 
 def test_a_groups_lead_is_judged_against_the_spread_across_seeds() -> None:
@@ -76,3 +102,18 @@ def test_a_groups_lead_is_judged_against_the_spread_across_seeds() -> None:
     assert "Best: `lr=a`" in noisy and "within the spread across seeds (sd 0.100)" in noisy
     assert "one seed a side" in verdict({"a": [0.7], "b": [0.6]})
     assert verdict({"a": [0.7]}).startswith("One group")
+
+
+def test_the_plot_is_titled_by_the_run_and_shows_each_evals_standard_error(tmp_path: Path) -> None:
+    from launcher.report import figure, plot_title
+
+    run = make_run(tmp_path / "reverse_text-tiny" / "2026-01-01_00-00-00", "reverse_text-tiny", 3)
+    last = {"kind": "eval", "step": 3, "eval/exact_match": 0.5, "eval/reward/mean": 0.6}
+    fig = figure([*run.read_metrics(), {**last, "eval/samples": 100}], plot_title("rt", run))
+    ax = fig.axes[0]
+    assert ax.get_title() == "rt  2026-01-01_00-00-00"
+    (bars,) = ax.containers
+    assert bars.get_label() == "eval exact match (± SE)"
+    (segments,) = bars.lines[2]
+    low, high = segments.get_segments()[1][:, 1]  # version 3: 0.5 ± sqrt(0.5 * 0.5 / 100)
+    assert (low, high) == pytest.approx((0.45, 0.55))

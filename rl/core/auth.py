@@ -1,8 +1,8 @@
 """The run's credentials: one key per power, each process holding only those it needs.
 
-A run has one secret, its token (`<run dir>/token`, mode 0600, made by the launcher). No server
-accepts the token itself: every route needs the key of its scope, derived from the token
-(HMAC-SHA256 of the scope's name), so a key of one scope tells nothing of another's.
+A run has one secret, its token (`<run dir>/.relay/token`, mode 0600, made by the launcher).
+No server accepts the token itself: every route needs the key of its scope, derived from the
+token (HMAC-SHA256 of the scope's name), so a key of one scope tells nothing of another's.
 
 | scope | routes | held by |
 | --- | --- | --- |

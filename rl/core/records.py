@@ -14,7 +14,7 @@
   and scoring turns them into a `Group`.
 - `TrainRecord`, `EvalRecord`, `RolloutRecord` and `WarmupRecord` are the lines of
   metrics.jsonl. Every line carries `kind` (`train`, `eval`, `rollout` or `warmup`), which is
-  how readers tell them apart; a reader skips kinds it does not show.
+  how readers tell them apart (rl/core/kinds.py); a reader skips kinds it does not show.
 
 Torch-free, and numpy only for the arrays a decoded message holds.
 """
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
+
+from rl.core.kinds import RecordKind
 
 INT32_MAX = 2**31 - 1
 """Largest token id: ids travel as int32 (rl/core/wire.py)."""
@@ -37,29 +38,6 @@ ARRAY_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 class RecordError(ValueError):
     """A record that does not validate; the text names the field."""
-
-
-class RecordKind(StrEnum):
-    train = "train"
-    eval = "eval"
-    rollout = "rollout"
-    warmup = "warmup"
-
-
-def is_train(record: dict[str, Any]) -> bool:
-    return record.get("kind") == RecordKind.train
-
-
-def is_eval(record: dict[str, Any]) -> bool:
-    return record.get("kind") == RecordKind.eval
-
-
-def is_rollout(record: dict[str, Any]) -> bool:
-    return record.get("kind") == RecordKind.rollout
-
-
-def kind_of(record: dict[str, Any]) -> str:
-    return str(record.get("kind", ""))
 
 
 def _is_int(value: Any) -> bool:

@@ -1,30 +1,37 @@
 """The run directory: the one module that knows its layout.
 
 Every process of a run (the launcher, a Slurm job's supervisor, each role) finds the others and
-the run's state here, on a shared filesystem on a cluster:
+the run's state here, on a shared filesystem on a cluster. Its top level holds what a user
+reads; what the processes keep for each other lives in `.relay/`:
 
     config.yaml            the resolved run config (written once by the launcher)
     plan.json              the RunPlan: processes, jobs and the values derived for them
-    token                  the run's secret, its keys derived from it (mode 0600; rl/core/auth.py)
     api_key                the key of the inference servers' OpenAI API, for clients (0600)
-    overrides.json         the command-line overrides it was started (and resumed) with
-    pids.json              local launcher: each role's process group id
     metrics.jsonl          one record per line, each with a `kind` (rl/core/records.py)
-    metrics.followed       how far the launcher has shown and logged metrics.jsonl
-    wandb_id, wandb/       the run's wandb run (logged live by the launcher)
     summary.json, reward.png   written when the run ends (status: finished, failed, ...)
     logs/<process>.log     each process's output
-    addresses/<name>.json  where a role's server listens (written once it listens)
-    queue.sqlite           the rollout queue's store (and its -wal file)
-    queue.marks.json       the store's high-water marks, to detect a store that lost commits
     rollouts/samples.jsonl samples kept for inspection
     weights/step_N/        published policy versions (HF layout, SHA256SUMS of its files, then
                            COMPLETE written last)
     weights/BROADCAST      the newest version every server confirmed (broadcast transport)
     weights/BROADCAST_NEXT the update the trainer is sending: version and weight group
     checkpoints/step_N/    DCP checkpoints (COMPLETE last); checkpoints/reference.pt
-    control/               the supervisor's checkpoint request and the trainer's answer
-    jobs.json, failure.json, complete, done/<role>, ended/, slurm/<job>/   Slurm runs
+    wandb/                 the run's wandb run (logged live by the launcher)
+    slurm/<job>/           Slurm runs: each job's submitit folder and supervisor log
+    .relay/                the internals:
+        token              the run's secret, its keys derived from it (mode 0600; rl/core/auth.py)
+        overrides.json     the command-line overrides it was started (and resumed) with
+        pids.json          local launcher: each role's process group id
+        wall_s             seconds the launcher has run the run, over all its launches
+        metrics.followed   how far the launcher has shown and logged metrics.jsonl
+        wandb_id           the id of the run's wandb run
+        addresses/<name>.json  where a role's server listens (written once it listens)
+        heartbeats/<name>.<pid>  each role process's heartbeat
+        queue.sqlite       the rollout queue's store (and its -wal file)
+        queue.marks.json   the store's high-water marks, to detect a store that lost commits
+        control/           the supervisor's checkpoint request and the trainer's answer
+        kv/, replicas/     prefill/decode hand-over files; nodes of a spanning vLLM replica
+        jobs.json, failure.json, complete, done/<role>, ended/   Slurm runs
 
 A sweep with shared inference (`inference.shared`) keeps, beside its points' run directories,
 `inference/` (the service's run directory: its config, token, addresses, logs) and `base/`
@@ -62,6 +69,7 @@ PLAN = "plan.json"
 METRICS = "metrics.jsonl"
 TOKEN = "token"
 API_KEY = "api_key"
+INTERNAL = ".relay"
 STEP_PREFIX = "step_"
 
 
@@ -243,16 +251,26 @@ class RunDir:
         return self.root / PLAN
 
     @property
+    def internal(self) -> Path:
+        """What the run's processes keep for each other, apart from what a user reads."""
+        return self.root / INTERNAL
+
+    @property
     def token_file(self) -> Path:
-        return self.root / TOKEN
+        return self.internal / TOKEN
 
     @property
     def pids(self) -> Path:
-        return self.root / "pids.json"
+        return self.internal / "pids.json"
 
     def is_run(self) -> bool:
         """Whether this looks like a run directory (a config and a token)."""
         return self.config.exists() and self.token_file.exists()
+
+    def has_old_layout(self) -> bool:
+        """Whether an earlier Relay wrote this run directory: its internals (the token first)
+        at the top level, not in `.relay/`."""
+        return (self.root / TOKEN).exists() and not self.token_file.exists()
 
     def create(self, cfg: Any, token: str, plan_json: str | None = None) -> None:
         """Write a new run's config (resolved), plan and token; the token file must not exist
@@ -260,6 +278,7 @@ class RunDir:
         from omegaconf import OmegaConf
 
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.internal.mkdir(exist_ok=True)
         from rl.core.auth import derive
 
         with writing(self.root):
@@ -278,7 +297,7 @@ class RunDir:
 
     @property
     def overrides_file(self) -> Path:
-        return self.root / "overrides.json"
+        return self.internal / "overrides.json"
 
     def overrides(self) -> list[str]:
         """The command-line overrides the run was started with (and resumed with, after)."""
@@ -347,7 +366,7 @@ class RunDir:
 
     @property
     def addresses(self) -> Path:
-        return self.root / "addresses"
+        return self.internal / "addresses"
 
     def address_file(self, name: str) -> Path:
         return self.addresses / f"{name}.json"
@@ -360,16 +379,16 @@ class RunDir:
 
     def kv_files(self, replica: str) -> Path:
         """The KV a prefill/decode `replica` hands over through files (the file connector)."""
-        return self.root / KV_FILES / replica
+        return self.internal / KV_FILES / replica
 
     def replica_nodes(self, instance: str) -> Path:
         """Where the processes of inference `instance` spanning nodes find each other's
         starts (rl/inference/vllm.py's SpanningReplica)."""
-        return self.root / "replicas" / instance
+        return self.internal / "replicas" / instance
 
     @property
     def heartbeats(self) -> Path:
-        return self.root / "heartbeats"
+        return self.internal / "heartbeats"
 
     def heartbeat(self, name: str, pid: int) -> Path:
         """The file process `pid` of role process `name` beats into (a counter)."""
@@ -380,9 +399,24 @@ class RunDir:
         return sorted(self.heartbeats.glob(f"{name}.*[0-9]"))
 
     @property
+    def metrics_followed(self) -> Path:
+        """How far the launcher has shown and logged metrics.jsonl (a byte offset)."""
+        return self.internal / "metrics.followed"
+
+    @property
+    def wandb_id(self) -> Path:
+        """The id of the run's wandb run, which a resumed run logs on into."""
+        return self.internal / "wandb_id"
+
+    @property
+    def warm_up_lock(self) -> Path:
+        """Held while a sweep's shared base warms up (launcher/sweep_base.py)."""
+        return self.internal / "warm-up.lock"
+
+    @property
     def wall_time(self) -> Path:
         """Seconds the launcher has run this run, summed over its launches (resumes)."""
-        return self.root / "wall_s"
+        return self.internal / "wall_s"
 
     def read_address(self, name: str) -> str | None:
         """The base URL `name` last wrote, if it has written one."""
@@ -394,11 +428,11 @@ class RunDir:
 
     @property
     def queue_store(self) -> Path:
-        return self.root / "queue.sqlite"
+        return self.internal / "queue.sqlite"
 
     @property
     def queue_marks(self) -> Path:
-        return self.root / "queue.marks.json"
+        return self.internal / "queue.marks.json"
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -497,7 +531,7 @@ class RunDir:
 
     @property
     def control(self) -> Path:
-        return self.root / "control"
+        return self.internal / "control"
 
     @property
     def checkpoint_request(self) -> Path:
@@ -514,20 +548,20 @@ class RunDir:
     @property
     def jobs(self) -> Path:
         """The run's Slurm job ids by role group, and the partition."""
-        return self.root / "jobs.json"
+        return self.internal / "jobs.json"
 
     @property
     def failure(self) -> Path:
         """Why the run ended early (written once: the first job to notice wins)."""
-        return self.root / "failure.json"
+        return self.internal / "failure.json"
 
     @property
     def complete(self) -> Path:
         """Created by the control job once trainer and orchestrator are done."""
-        return self.root / "complete"
+        return self.internal / "complete"
 
     def done(self, role: str) -> Path:
-        return self.root / "done" / role
+        return self.internal / "done" / role
 
     def mark_done(self, role: str) -> None:
         """Record that `role` finished its part of the run."""
@@ -537,7 +571,7 @@ class RunDir:
     @property
     def ended(self) -> Path:
         """jobs.json and failure.json of earlier submissions of a resumed run."""
-        return self.root / "ended"
+        return self.internal / "ended"
 
     def end_submission(self) -> int:
         """Move jobs.json and failure.json (if any) into ended/ as jobs-N.json and
@@ -549,5 +583,10 @@ class RunDir:
                 path.rename(self.ended / f"{path.stem}-{attempt}{path.suffix}")
         return attempt
 
+    @property
+    def slurm(self) -> Path:
+        """Each Slurm job's submitit folder, with its supervisor's log."""
+        return self.root / "slurm"
+
     def submitit_folder(self, job: str) -> Path:
-        return self.root / "slurm" / job
+        return self.slurm / job

@@ -217,7 +217,7 @@ class Peer:
 
 
 class Heartbeat(threading.Thread):
-    """Beats a counter into `heartbeats/<name>.<pid>` every `interval` seconds, from a thread
+    """Beats a counter into `.relay/heartbeats/<name>.<pid>` every `interval` seconds, from a thread
     of its own, so that the launcher can tell a live role from a hung one: a stopped or frozen
     process stops beating, however long its main thread legitimately waits. A server beats only
     while its own /health answers (ok, or starting): a blocked event loop or a failed engine

@@ -24,8 +24,9 @@ import httpx
 from rl.core import wire
 from rl.core.config import Placement
 from rl.core.derive import exact_schedule, generating_version, max_model_len
+from rl.core.kinds import is_eval, is_rollout
 from rl.core.model import ensure_checkpoint, load_tokenizer
-from rl.core.records import Episode, EvalRecord, Group, is_eval, is_rollout
+from rl.core.records import Episode, EvalRecord, Group
 from rl.core.rundir import RunDir, drop_records, point_name, shared_service
 from rl.core.runtime import (
     Peer,

@@ -27,10 +27,11 @@ from rl.core.derive import (
     trainer_dims,
 )
 from rl.core.disk import DiskFull, check_room, free_bytes, writing
+from rl.core.kinds import is_train
 from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import targets as lora_targets
 from rl.core.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
-from rl.core.records import BatchShard, RunLimits, Sample, TrainRecord, WarmupRecord, is_train
+from rl.core.records import BatchShard, RunLimits, Sample, TrainRecord, WarmupRecord
 from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.core.runtime import (
     CHECKPOINT_ON_TERM_ENV,

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from rl.core.rundir import RunDir
+
 
 def trained_steps(run_dir: Path) -> list[int]:
     """The steps the trainer has recorded, in file order."""
@@ -74,7 +76,7 @@ class KillAtStep(threading.Thread):
         while not self.stopped.is_set() and time.monotonic() < deadline:
             steps = trained_steps(self.run_dir)
             if steps and max(steps) >= self.step:
-                pid = json.loads((self.run_dir / "pids.json").read_text())[self.role]
+                pid = RunDir(self.run_dir).read_pids()[self.role]
                 signal_role(pid, self.sig)
                 self.killed_pid = pid
                 return
@@ -107,6 +109,6 @@ class KillInTurn(threading.Thread):
             self.killed.append((role, sig, killer.killed_pid))
             deadline = time.monotonic() + self.timeout
             while not self.stopped.is_set() and time.monotonic() < deadline:
-                if json.loads((self.run_dir / "pids.json").read_text())[role] != killer.killed_pid:
+                if RunDir(self.run_dir).read_pids()[role] != killer.killed_pid:
                     break
                 time.sleep(0.05)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from launcher.run_dir import group_alive
 from rl.core.config import ROLE_MODULES, register
 from rl.core.paths import CONF, ROOT
+from rl.core.rundir import RunDir
 
 TOKEN = "test-token"
 
@@ -44,8 +45,6 @@ def options(group: str) -> list[str]:
 
 def write_run_dir(run_dir: Path, cfg: DictConfig, token: str) -> Path:
     """A run directory as the launcher writes it: resolved config and the run token."""
-    from rl.core.rundir import RunDir
-
     RunDir(run_dir).create(cfg, token)
     return run_dir
 
@@ -103,7 +102,7 @@ def embedded_server(tmp_path_factory: Any, *overrides: str) -> Iterator[Any]:
 
 def assert_no_process_left(run_dir: Path) -> None:
     """No process group the run recorded, and no process naming its directory, is alive."""
-    pids = json.loads((run_dir / "pids.json").read_text())
+    pids = RunDir(run_dir).read_pids()
     alive = [name for name, pgid in pids.items() if group_alive(pgid)]
     assert not alive, f"left behind: {alive}"
     deadline = time.monotonic() + 10  # a parent-death signal is delivered asynchronously

@@ -1,0 +1,34 @@
+"""The kinds of metrics.jsonl's lines, and how a reader tells them apart.
+
+Every line carries `kind`; rl/core/records.py types each kind's record. This module holds the
+kinds alone, importing neither numpy nor the schema, so that reading a run (`rl action=status`)
+starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class RecordKind(StrEnum):
+    train = "train"
+    eval = "eval"
+    rollout = "rollout"
+    warmup = "warmup"
+
+
+def is_train(record: dict[str, Any]) -> bool:
+    return record.get("kind") == RecordKind.train
+
+
+def is_eval(record: dict[str, Any]) -> bool:
+    return record.get("kind") == RecordKind.eval
+
+
+def is_rollout(record: dict[str, Any]) -> bool:
+    return record.get("kind") == RecordKind.rollout
+
+
+def kind_of(record: dict[str, Any]) -> str:
+    return str(record.get("kind", ""))
