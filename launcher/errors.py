@@ -36,7 +36,7 @@ def _options(group: str) -> list[str]:
     gh = GlobalHydra.instance()
     if not gh.is_initialized():
         return []
-    return sorted(gh.hydra.config_loader.get_group_options(group))  # type: ignore[union-attr]
+    return sorted(gh.hydra.config_loader.get__options(group))  # type: ignore[union-attr]
 
 
 def one_line(err: BaseException) -> str | None:
@@ -58,6 +58,8 @@ def one_line(err: BaseException) -> str | None:
         key = key.split(":", 1)[1].strip() if key else ""
         if re.match(r"Key '[^']+' not in '\w+'", head) and key:
             return unknown_key(_given_key(key))
+        if re.match(r"Key '[^']+' is not in struct", head):
+            return not_in_config(err, cause)
         if head.startswith("Ambiguous value for argument"):
             return (
                 f"{head}: to sweep over the values add -m (--multirun); for a list write "
@@ -77,6 +79,26 @@ def unknown_key(key: str) -> str:
         match = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.75)
     hint = f"; did you mean {match[0]}?" if match else " (uv run rl --help lists them)"
     return f"{key}: no such setting{hint}"
+
+
+def not_in_config(err: BaseException, cause: BaseException) -> str:
+    """`key: not in the config`, for an override of a key that a free-form dict (an
+    environment's `args`, `model.hf_config`, ...) does not have: the closest key it has, and
+    the `+key=value` that adds a new one (Hydra's own hint, which OmegaConf's error drops)."""
+    typed = re.search(r"^Could not override '([^']+)'", str(err), re.M)
+    missing = str(getattr(cause, "full_key", ""))
+    key = typed.group(1) if typed else missing
+    if missing.startswith(f"{key}."):  # a dict given whole, with a key its target lacks
+        key = missing
+    add = re.search(r"^To append to your config use (\+.*)$", str(err), re.M)
+    adding = add.group(1) if add else f"+{key}=<value>"
+    parent = getattr(cause, "parent_node", None)
+    siblings = [str(k) for k in parent.keys()] if parent is not None else []
+    close = difflib.get_close_matches(missing.rpartition(".")[2], siblings, 1, 0.75)
+    if close:
+        prefix = missing.rpartition(".")[0]
+        return f"{key}: not in the config; did you mean {prefix}.{close[0]}? (to add it: {adding})"
+    return f"{key}: not in the config; to add it, write {adding}"
 
 
 def _given_key(key: str) -> str:
