@@ -30,13 +30,15 @@ def refuse(key: str, message: str) -> typing.NoReturn:
     raise PlanError(f"{key}: {message}")
 
 
-def _options(group: str) -> list[str]:
+def group_options(group: str) -> list[str]:
+    """The options of config group `group` on the search path of the initialised Hydra
+    (Relay's conf/ and installed environment packages'); none when Hydra is not initialised."""
     from hydra.core.global_hydra import GlobalHydra
 
     gh = GlobalHydra.instance()
     if not gh.is_initialized():
         return []
-    return sorted(gh.hydra.config_loader.get__options(group))  # type: ignore[union-attr]
+    return sorted(gh.hydra.config_loader.get_group_options(group))  # type: ignore[union-attr]
 
 
 def one_line(err: BaseException) -> str | None:
@@ -47,7 +49,7 @@ def one_line(err: BaseException) -> str | None:
         match = re.search(r"'([\w/]+)/([^'/]+)'", str(err))
         if match:
             group, option = match.groups()
-            valid = err.options or _options(group)
+            valid = err.options or group_options(group)
             return f"{group}={option}: no such option; valid: {', '.join(sorted(valid))}"
         return str(err).splitlines()[0]
     if isinstance(err, ConfigCompositionException | OmegaConfBaseException):
@@ -153,7 +155,7 @@ def check_added_keys() -> None:
     overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
     for override in overrides:
         key = override.key_or_group
-        if not override.is_add() or key in schema_keys() or _options(key):
+        if not override.is_add() or key in schema_keys() or group_options(key):
             continue
         if any(key.startswith(f"{d}.") for d in open_keys()):
             continue
