@@ -27,7 +27,9 @@ def refuse(key: str, message: str) -> typing.NoReturn:
     raise PlanError(f"{key}: {message}")
 
 
-def _options(group: str) -> list[str]:
+def group_options(group: str) -> list[str]:
+    """The options of config group `group` on the search path of the initialised Hydra
+    (Relay's conf/ and installed environment packages'); none when Hydra is not initialised."""
     from hydra.core.global_hydra import GlobalHydra
 
     gh = GlobalHydra.instance()
@@ -47,7 +49,7 @@ def one_line(err: BaseException) -> str | None:
         match = re.search(r"'([\w/]+)/([^'/]+)'", str(err))
         if match:
             group, option = match.groups()
-            valid = err.options or _options(group)
+            valid = err.options or group_options(group)
             return f"{group}={option}: no such option; valid: {', '.join(sorted(valid))}"
         return str(err).splitlines()[0]
     if isinstance(err, ConfigCompositionException | OmegaConfBaseException):
@@ -58,6 +60,8 @@ def one_line(err: BaseException) -> str | None:
         key = key.split(":", 1)[1].strip() if key else ""
         if re.match(r"Key '[^']+' not in '\w+'", head) and key:
             return unknown_key(_given_key(key))
+        if re.match(r"Key '[^']+' is not in struct", head):
+            return not_in_config(err, cause)
         if head.startswith("Ambiguous value for argument"):
             return (
                 f"{head}: to sweep over the values add -m (--multirun); for a list write "
@@ -77,6 +81,26 @@ def unknown_key(key: str) -> str:
         match = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.75)
     hint = f"; did you mean {match[0]}?" if match else " (uv run rl --help lists them)"
     return f"{key}: no such setting{hint}"
+
+
+def not_in_config(err: BaseException, cause: BaseException) -> str:
+    """`key: not in the config`, for an override of a key that a free-form dict (an
+    environment's `args`, `model.hf_config`, ...) does not have: the closest key it has, and
+    the `+key=value` that adds a new one (Hydra's own hint, which OmegaConf's error drops)."""
+    typed = re.search(r"^Could not override '([^']+)'", str(err), re.M)
+    missing = str(getattr(cause, "full_key", ""))
+    key = typed.group(1) if typed else missing
+    if missing.startswith(f"{key}."):  # a dict given whole, with a key its target lacks
+        key = missing
+    add = re.search(r"^To append to your config use (\+.*)$", str(err), re.M)
+    adding = add.group(1) if add else f"+{key}=<value>"
+    parent = getattr(cause, "parent_node", None)
+    siblings = [str(k) for k in parent.keys()] if parent is not None else []
+    close = difflib.get_close_matches(missing.rpartition(".")[2], siblings, 1, 0.75)
+    if close:
+        prefix = missing.rpartition(".")[0]
+        return f"{key}: not in the config; did you mean {prefix}.{close[0]}? (to add it: {adding})"
+    return f"{key}: not in the config; to add it, write {adding}"
 
 
 def _given_key(key: str) -> str:
@@ -131,7 +155,7 @@ def check_added_keys() -> None:
     overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
     for override in overrides:
         key = override.key_or_group
-        if not override.is_add() or key in schema_keys() or _options(key):
+        if not override.is_add() or key in schema_keys() or group_options(key):
             continue
         if any(key.startswith(f"{d}.") for d in open_keys()):
             continue

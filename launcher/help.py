@@ -110,6 +110,17 @@ def composed(overrides: list[str]) -> Any:
         return None
 
 
+def found_options(groups: list[str]) -> dict[str, list[str]]:
+    """Each group's options where `rl` finds them: conf/, and the `conf` of each installed
+    environment package (hydra_plugins/relay_environments.py)."""
+    from hydra import initialize_config_dir
+
+    from launcher.errors import group_options
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return {group: group_options(group) for group in groups}
+
+
 def sections() -> list[tuple[str, type]]:
     """The run-level keys, then each group and nested section, with its schema class."""
     found: list[tuple[str, type]] = [("", config.RunConfig)]
@@ -136,8 +147,8 @@ def format_help(overrides: list[str]) -> str:
         if OmegaConf.is_dict(entry)
         for key, value in entry.items()
     }
-    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
-        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    groups = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+    for group, options in found_options(groups).items():
         default = chosen.get(group)
         marked = [f"[{o}]" if o == default else o for o in options]
         out.append(f"  {group:<12} {', '.join(marked)}")

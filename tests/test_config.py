@@ -128,6 +128,16 @@ def test_cfg_job_prints_composed_config() -> None:
         # Hydra adds a key with + silently, where nothing would read it.
         (["+foo=1"], "+foo=1: no such setting"),
         (["+max_step=9"], "+max_step=9: no such setting; did you mean max_steps?"),
+        # A key a free-form dict lacks: the close one it has, and Hydra's `+` to add it.
+        (
+            ["environment.args.nope=1"],
+            "environment.args.nope: not in the config; to add it, write +environment.args.nope=1",
+        ),
+        (
+            ["environment.args.max_lne=3"],
+            "environment.args.max_lne: not in the config; did you mean environment.args.max_len? "
+            "(to add it: +environment.args.max_lne=3)",
+        ),
         # Hydra's own hint to sweep is kept, on the same line.
         (["algorithm.lr=1e-4,3e-4"], "to sweep over the values add -m (--multirun)"),
         (["algorithm.lr=abc"], "algorithm.lr: Value 'abc'"),
@@ -208,6 +218,25 @@ def test_every_experiment_preset_composes_and_plans() -> None:
         "arithmetic",
         0,
     )
+
+
+def test_every_agent_setting_the_docs_list_can_be_overridden() -> None:
+    """docs/agents.md's settings are keys of conf/environment/agent.yaml (a key the YAML lacks
+    cannot be overridden without `+`), and `task_args` reaches the tasks environment."""
+    import re
+
+    from rl.orchestrator.agents import AgentArgs, agent_args, tasks_config
+
+    table = (ROOT / "docs" / "agents.md").read_text().split("Settings (`environment.args`")[1]
+    documented = set(re.findall(r"^\| ([^|]+) \|", table.split("\n\n")[1], re.M))
+    documented = {k for cell in documented for k in re.findall(r"`(\w+)`", cell)}
+    in_yaml = set(compose_run("environment=agent").environment.args)
+    assert documented <= in_yaml == set(AgentArgs.__dataclass_fields__)
+    for given, expected in [("{}", {}), ("{max_turns: 4}", {"max_turns": 4})]:
+        env = compose_run("environment=agent", f"environment.args.task_args={given}").environment
+        assert tasks_config(env, agent_args(env)).args == expected
+    env = compose_run("environment=agent").environment
+    assert tasks_config(env, agent_args(env)).args == {}  # the tasks environment's defaults
 
 
 def test_runs_are_named_after_the_environments_identity() -> None:

@@ -26,10 +26,19 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.help import format_help
 from launcher.plan import plan
 from rl.core.config import EnvironmentConfig
 from rl.core.kinds import is_train
-from rl.envs import BUILT_IN, ENTRY_POINT_GROUP, Example, make_environment, registry
+from rl.core.paths import CONF
+from rl.envs import (
+    BUILT_IN,
+    ENTRY_POINT_GROUP,
+    Example,
+    config_packages,
+    make_environment,
+    registry,
+)
 from tests.support.runs import ROOT, compose_run
 
 DOC = ROOT / "docs" / "environments.md"
@@ -149,14 +158,17 @@ def test_an_unknown_name_lists_installed_environments(games: Path) -> None:
 
 @pytest.mark.parametrize(
     "search_path",
-    [SEARCH_PATH, "--config-dir={package}/relay_games/conf"],
-    ids=["installed-package", "config-dir"],
+    ["", SEARCH_PATH, "--config-dir={package}/relay_games/conf"],
+    ids=["installed-package", "installed-package-named", "config-dir"],
 )
 def test_the_package_s_config_options_compose(games: Path, search_path: str) -> None:
-    """Both ways of reaching the package's YAML, without a warning from Hydra (its search path
-    skips a package without `conf/__init__.py`, with one)."""
+    """Every way of reaching the package's YAML, without a warning from Hydra (its search path
+    skips a package without `conf/__init__.py`, with one): installed, with no flag (Relay's
+    search-path plugin finds it through its entry points), named on the search path, or
+    through --config-dir."""
     option = ["environment=repeat_digits", "environment.args.length=6"]
-    out = rl(search_path.format(package=games), *option, "--cfg", "job")
+    flags = [search_path.format(package=games)] if search_path else []
+    out = rl(*flags, *option, "--cfg", "job")
     assert (out.returncode, out.stderr) == (0, ""), out.stderr
     env = OmegaConf.create(out.stdout).environment
     assert (env.name, env.max_tokens, env.eval_size, env.args) == (
@@ -165,6 +177,32 @@ def test_the_package_s_config_options_compose(games: Path, search_path: str) -> 
         64,
         {"length": 6},
     )
+
+
+def test_installed_packages_options_are_found_without_importing_them(
+    games: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search-path plugin's list: the documented package's `conf`, not a module that
+    declares an environment but ships no options; tests compose, and --help lists, the
+    package's options as `rl` does."""
+    (tmp_path / "relay_bare.py").write_text("raise ImportError('relay_bare was imported')\n")
+    declare(tmp_path, "relay-bare", {"bare": "relay_bare:Bare"})
+    on_path(monkeypatch, tmp_path)
+    assert config_packages() == {"relay_games.conf": "relay-games"}
+    assert not {"relay_games", "relay_bare"} & set(sys.modules)
+    assert compose_run("environment=guess_number").environment.max_tokens == 4
+    listed = next(line for line in format_help([]).splitlines() if "environment " in line)
+    assert "guess_number, repeat_digits" in listed
+    # Another Hydra application's search path (one without Relay's conf/) is left alone.
+    assert "pkg://relay_games.conf" in search_path(CONF)
+    assert "pkg://relay_games.conf" not in search_path(tmp_path)
+
+
+def search_path(config_dir: Path) -> list[str]:
+    """The search path Hydra builds for an application whose configs are in `config_dir`."""
+    from hydra._internal.utils import create_config_search_path
+
+    return [element.path for element in create_config_search_path(str(config_dir)).get_path()]
 
 
 def test_the_plan_finds_a_package_s_environment_without_importing_it(
@@ -220,7 +258,8 @@ def test_an_entry_point_to_something_else_is_refused(
 @pytest.mark.slow
 def test_trains_on_an_installed_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Install the documented package (into a folder of its own), then train three steps on
-    its single-turn environment through `rl`, with the config option it ships."""
+    its single-turn environment through `rl`, with the config option it ships (found with no
+    flag, as the page says)."""
     uv = shutil.which("uv")
     assert uv, "installing the package needs uv (pip install uv)"
     site = tmp_path / "site"
@@ -237,7 +276,7 @@ def test_trains_on_an_installed_package(tmp_path: Path, monkeypatch: pytest.Monk
     env["RELAY_CACHE"] = str(tmp_path / "cache")
     small = ["max_steps=3", "warmup.steps=0", "environment.eval_size=8", "environment.eval_every=0"]
     small += ["environment.prompts_per_step=4", "environment.group_size=2"]
-    out = rl(SEARCH_PATH, "environment=repeat_digits", *small, f"hydra.run.dir={run_dir}", env=env)
+    out = rl("environment=repeat_digits", *small, f"hydra.run.dir={run_dir}", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -174,8 +174,8 @@ RL_LAYERS = (
 )
 # launcher/: each module is a package of its own.
 LAUNCHER_LAYERS = (
-    ("launcher", "launcher.errors", "launcher.gpus", "launcher.help", "launcher.report"),
-    ("launcher.tracking", "launcher.sizing"),
+    ("launcher", "launcher.errors", "launcher.gpus", "launcher.report"),
+    ("launcher.tracking", "launcher.sizing", "launcher.help"),
     ("launcher.vllm_args",),
     ("launcher.checks",),
     ("launcher.plan",),

@@ -5,8 +5,10 @@ calls, templates and refusals against a scripted backend whose "model" says what
 from __future__ import annotations
 
 import json
+import re
 import string
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -19,9 +21,12 @@ from omegaconf import DictConfig
 from rl.core.auth import derive, scoped_guard
 from rl.core.chat import ChatTemplate, parse_turn
 from rl.core.model import build_char_tokenizer, encode_prompt, ensure_checkpoint, load_model
-from rl.core.runtime import wait_for_address
+from rl.core.paths import ROOT
+from rl.core.runtime import read_address, wait_for_address
+from rl.envs import Example
 from rl.inference.generation import Limits, generate
-from rl.inference.openai_api import Params, Result, add_openai_routes
+from rl.inference.openai_api import ChatRequest, Params, Result, add_openai_routes, chat_prompt
+from rl.trainer.batches import sft_batch
 from tests.support import openai_checks
 from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
 
@@ -37,17 +42,24 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
 
 
 @pytest.fixture(scope="module")
-def server(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real `python -m rl.inference` process (embedded engine); its base URL."""
+def served(cfg: DictConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A real `python -m rl.inference` process (embedded engine); its run directory."""
     run_dir = write_run_dir(tmp_path_factory.mktemp("run"), cfg, TOKEN)
     proc = start_role("inference", run_dir, "--replica", "0")
     try:
         try:
-            yield wait_for_address(run_dir, "inference-0", timeout=120)
+            wait_for_address(run_dir, "inference-0", timeout=120)
         except TimeoutError:
             pytest.fail((run_dir / "inference.log").read_text())
+        yield run_dir
     finally:
         stop_role(proc)
+
+
+@pytest.fixture(scope="module")
+def server(served: Path) -> str:
+    """That server's base URL."""
+    return read_address(served, "inference-0")
 
 
 @pytest.mark.slow
@@ -62,6 +74,38 @@ def test_official_client_against_the_embedded_server(
 def test_wrong_token_is_an_authentication_error(server: str) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai_checks.client(server, "wrong").models.list()
+
+
+@pytest.mark.slow
+def test_the_docs_client_example_runs_as_written(
+    served: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/agents.md's example, pointed at a live server's run directory: it finds the
+    address and the API key there and gets the model's name and an answer."""
+    text = (ROOT / "docs" / "agents.md").read_text()
+    code = re.search(r"```python\n(from pathlib.*?)```", text, re.S).group(1)
+    code = code.replace('Path("outputs/reverse_text-tiny/...")', f"Path({str(served)!r})")
+    exec(compile(code, "docs/agents.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "tiny" and len(printed) == 2, printed
+
+
+def test_chat_warm_up_rows_are_what_the_chat_route_sends() -> None:
+    """`warmup.chat_share` of the warm-up's rows: the prompt as a user's message, rendered as
+    /v1/chat/completions renders it, then the answer and EOS to learn; the rest raw prompts."""
+    tok = build_char_tokenizer(64)
+    examples = [Example(f"reverse: {w}\n", w[::-1]) for w in ("stone", "apple", "cat", "dog")]
+    for share, chats in [(0.5, 2), (0.0, 0)]:
+        ids, attention, learned = sft_batch(tok, examples, ChatTemplate(tok), share)
+        for row, example in enumerate(examples):
+            message = {"role": "user", "content": example.prompt.strip()}
+            if row < chats:
+                prompt = chat_prompt(tok, ChatRequest(model="tiny", messages=[message]))
+            else:
+                prompt = encode_prompt(tok, example.prompt)
+            answer = [*tok.encode(example.answer, add_special_tokens=False), tok.eos_token_id]
+            assert ids[row][attention[row].bool()].tolist() == prompt + answer
+            assert ids[row][learned[row]].tolist() == answer
 
 
 # --- generation settings, directly -------------------------------------------------------

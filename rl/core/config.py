@@ -526,6 +526,12 @@ class WarmupConfig:
     """SFT learning rate."""
     batch_size: int = bounded(64, ge=1)
     """Examples per SFT step."""
+    chat_share: float = bounded(0.0, ge=0, le=1, note="0: raw prompts only")
+    """Share of each SFT step's examples given as a chat (the prompt as the user's message, the
+    answer as the assistant's turn, in the model's chat template), so that a model that knows
+    no chat format (the tiny one) also answers on the OpenAI chat route; the rest are raw
+    prompts, as RL sends them. Off by default: it costs the reverse-text job most of its final
+    held-out exact match (docs/agents.md)."""
     seed: int = bounded(0, ge=0, le=MAX_SEED)
     """Seed of the warm-up's draws of examples (and any dropout in it); the run's `seed` varies
     the RL run only, so runs that differ in it warm up the same base."""

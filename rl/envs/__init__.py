@@ -30,11 +30,13 @@ name, or one another package claims, is refused rather than shadowing it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the environments' package stays light: sandboxes start from it
@@ -163,6 +165,24 @@ def registry() -> dict[str, str]:
         found[point.name] = point.value
         claimed[point.name] = f"package {package} declares it too"
     return found
+
+
+def config_packages() -> dict[str, str]:
+    """Where installed packages keep their config options: the `conf` package inside the
+    top-level package of each `relay.environments` entry point's module (when it has a `conf/`
+    folder), with the name of the distribution that declares it. Nothing is imported; Relay's
+    Hydra search-path plugin (hydra_plugins/relay_environments.py) puts these on the path."""
+    found: dict[str, str] = {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        top = point.module.partition(".")[0]
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: finds, does not import
+        except (ImportError, ValueError):
+            continue
+        places = (spec.submodule_search_locations or []) if spec else []
+        if any((Path(place) / "conf").is_dir() for place in places):
+            found.setdefault(f"{top}.conf", point.dist.name if point.dist else top)
+    return dict(sorted(found.items()))
 
 
 def locate(name: str) -> str:

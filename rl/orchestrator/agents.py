@@ -75,8 +75,8 @@ class AgentArgs:
     tasks: str = ""
     """The environment whose examples the episodes play, and whose reward scores the model's
     turns when the agent returns none."""
-    task_args: dict = field(default_factory=dict)
-    """`environment.args` of the tasks environment."""
+    task_args: dict | None = None
+    """`environment.args` of the tasks environment (None: its defaults)."""
     max_turns: int = 16
     """Most model turns per episode; later requests get a 400."""
     concurrency: int = 8
@@ -347,9 +347,9 @@ def tasks_config(env_cfg: Any, args: AgentArgs) -> Any:
     from omegaconf import OmegaConf
 
     if is_dataclass(env_cfg):
-        return replace(env_cfg, name=args.tasks, args=dict(args.task_args))
+        return replace(env_cfg, name=args.tasks, args=dict(args.task_args or {}))
     inner = OmegaConf.to_container(env_cfg, resolve=True)
-    inner.update(name=args.tasks, args=dict(args.task_args))
+    inner.update(name=args.tasks, args=dict(args.task_args or {}))
     return OmegaConf.create(inner)
 
 

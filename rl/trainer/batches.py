@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rl.core.chat import ChatTemplate
+from rl.core.model import encode_prompt
 from rl.core.records import Sample
 from rl.envs import Example
 
@@ -32,20 +34,29 @@ def pad_batch(
 
 
 def sft_batch(
-    tokenizer: Any, examples: list[Example]
+    tokenizer: Any, examples: list[Example], chat: ChatTemplate | None = None, chat_share: float = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Supervised warm-up rows: BOS + prompt + answer + EOS, with the answer (and EOS) masked
-    in as the tokens to learn."""
+    in as the tokens to learn. With `chat`, the first `chat_share` of the rows have the prompt
+    as a user's message, rendered as the chat route renders it, instead."""
+    chats = round(chat_share * len(examples)) if chat is not None else 0
     sequences, starts = [], []
-    for example in examples:
-        prompt = [
-            tokenizer.bos_token_id,
-            *tokenizer.encode(example.prompt, add_special_tokens=False),
-        ]
+    for row, example in enumerate(examples):
+        if chat is not None and row < chats:
+            prompt = chat_prompt(chat, example.prompt)
+        else:
+            prompt = encode_prompt(tokenizer, example.prompt)
         answer = tokenizer.encode(example.answer, add_special_tokens=False)
         sequences.append(prompt + answer + [tokenizer.eos_token_id])
         starts.append(len(prompt))
     return pad_batch(sequences, starts, tokenizer.pad_token_id)
+
+
+def chat_prompt(chat: ChatTemplate, prompt: str) -> list[int]:
+    """`prompt` as a user's message, ready for the assistant's turn: what a client sending it
+    to /v1/chat/completions has the model continue."""
+    message = {"role": "user", "content": prompt.strip()}
+    return chat.encode(chat.render([message], None, generation=True))
 
 
 def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[Any, Any]:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rl.core import wire
+from rl.core.chat import ChatTemplate
 from rl.core.derive import (
     CHECKPOINT_COPIES,
     ParallelDims,
@@ -142,6 +143,7 @@ class Trainer:
         if cfg.steps <= 0:
             return
         examples = make_environment(self.cfg.environment).train_examples()
+        chat = ChatTemplate(self.tokenizer)
         adapted = lora_enabled(self.cfg.model)
         if adapted:  # the base trains, the adapter (B = 0, so it adds nothing) waits
             train_only(self.model, adapter=False)
@@ -154,7 +156,7 @@ class Trainer:
         for step in range(cfg.steps):
             picks = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
             mine = picks[self.layout.dp_rank :: self.layout.dp_world]
-            batch = sft_batch(self.tokenizer, [examples[i] for i in mine])
+            batch = sft_batch(self.tokenizer, [examples[i] for i in mine], chat, cfg.chat_share)
             ids, attention, completion = (t.to(self.device) for t in batch)
             logp, _ = token_logprobs(self.model, ids, attention)
             total = completion.sum().float()
