@@ -173,6 +173,24 @@ def drifting_agent(turns: list[dict[str, Any]]) -> Any:
     return agent
 
 
+def test_episodes_share_one_connection_pool_that_no_agent_closes(server: Any) -> None:
+    pools = []
+
+    def agent(task: Task) -> float:
+        with task.client() as api:  # closes the client at the end of the episode
+            api.chat.completions.create(
+                model=task.model, messages=[{"role": "user", "content": task.prompt}]
+            )
+        pools.append(task.http)
+        return 0.5
+
+    env = environment(server, agent, concurrency=1)
+    episodes = play(env, server, n=3)
+    assert all(e is not None for e in episodes)  # each after the one before closed its client
+    assert len(pools) == 3 and all(pool is env.proxy.http for pool in pools)
+    assert not env.proxy.http.is_closed
+
+
 def test_drift_starts_a_new_sample(server: Any) -> None:
     turns: list[dict[str, Any]] = []
     env = environment(server, drifting_agent(turns))  # on_drift: new_sample (the default)

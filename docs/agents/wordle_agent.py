@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
 from rl.envs.wordle import feedback, letter_score
 
@@ -50,7 +50,7 @@ def read_guess(message: Any) -> tuple[str, str | None]:
 
 
 def play(task: Any) -> float:
-    client = OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    client = task.client()  # OpenAI(base_url=task.base_url, api_key=task.api_key), pooled
     (model,) = client.models.list().data
     context = (model.model_extra or {}).get("max_model_len", 0)
     tools = [GUESS_TOOL] if context >= TOOL_CONTEXT else []

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
@@ -148,6 +149,11 @@ class AgentProxy:
         # the servers see every open episode's turn at once and batch them.
         self.pool = ThreadPoolExecutor(args.concurrency, thread_name_prefix="proxy")
         self._turn = 0
+        # The agents' side: one connection pool for every episode's client (Task.client).
+        self.http = SharedPool(
+            timeout=args.request_timeout_s,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=args.concurrency),
+        )
 
     def start(self) -> None:
         """Serve on a loopback port from a daemon thread; returns once it accepts requests."""
@@ -299,6 +305,14 @@ class AgentProxy:
         except TimeoutError as exc:
             raise APIError(504, "the model turn took longer than the request timeout") from exc
         return done[0]
+
+
+class SharedPool(httpx.Client):
+    """The episodes' one HTTP connection pool to the proxy: an agent that closes its client
+    (`with task.client() as api:`) leaves the pool open for the others."""
+
+    def close(self) -> None:
+        pass
 
 
 class Replayed:
