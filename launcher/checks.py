@@ -37,7 +37,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.errors import PlanError, refuse
-from launcher.sizing import DTYPE_BYTES, TRAIN_BYTES_PER_PARAM, disaggregated, disk_need
+from launcher.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
+from launcher.sizing import disaggregated, disk_need
 from launcher.vllm_args import VLLM_LORA_RANKS
 from rl.core import lora
 from rl.core.config import (
@@ -93,7 +94,8 @@ def _lookup(cfg: Any, key: str) -> Any:
 def check_relations(cfg: DictConfig) -> None:
     """Settings each valid alone that cannot go together."""
     cluster, env, algo = cfg.cluster, cfg.environment, cfg.algorithm
-    if cluster.kind == ClusterKind.slurm and cluster.signal_delay_s >= cluster.time_min * 60:
+    delay = cluster.signal_delay_s
+    if cluster.kind == ClusterKind.slurm and delay is not None and delay >= cluster.time_min * 60:
         raise PlanError(
             f"cluster.signal_delay_s={cluster.signal_delay_s}: the checkpoint warning must come "
             f"before the time limit, below cluster.time_min={cluster.time_min} x 60 s"
@@ -198,7 +200,8 @@ def check_cpu_fit(cfg: DictConfig) -> None:
             f"(cluster=slurm) or a model that runs on CPU (tiny, smollm2_135m, qwen3_0_6b)"
         )
     weights = DTYPE_BYTES.get(str(quantization or model.dtype), 4)
-    need_gb = model.total_params_b * (TRAIN_BYTES_PER_PARAM + weights)
+    state = TRAINER_STATE_COPIES * DTYPE_BYTES.get(str(model.dtype), 4)
+    need_gb = params(model).trained / 1e9 * (state + weights)
     if need_gb > cluster.mem_gb_per_node:
         raise PlanError(
             f"model={model.name}: its training state and served weights take ~{need_gb:.0f} GB "

@@ -21,8 +21,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.checks import check_bounds, check_run
+from launcher.estimates import estimate_notes
 from launcher.sizing import (
-    TRAIN_BYTES_PER_PARAM,
     Footprint,
     disaggregated,
     fill_gpus,
@@ -30,7 +30,6 @@ from launcher.sizing import (
     pd_factor,
     per_node,
     replica_gpus,
-    serve_bytes_per_param,
     size_run,
 )
 from launcher.vllm_args import PD_INSTANCES, spanning_args, vllm_args
@@ -169,6 +168,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     found = fill_gpus(cfg)
     notes = [note for note in (found, *check_run(cfg)) if note]
     size = size_run(cfg)
+    estimates = estimate_notes(cfg, size)
     devices = LocalDevices(cfg, size.shared_gpu)
     processes = [
         *control_processes(),
@@ -179,7 +179,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     if cfg.inference.shared:  # the sweep's inference service, or a point's own roles
         processes, jobs, shared_notes = sweep_share(processes, jobs, service)
         notes += shared_notes
-    notes += size.notes + cluster_notes(cfg, size)
+    notes += size.notes + cluster_notes(cfg) + estimates
     env = cfg.environment
     return RunPlan(
         run_name=cfg.name,
@@ -341,6 +341,7 @@ def slurm_jobs(cfg: DictConfig, size: Footprint) -> list[Job]:
 
 
 def job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: int) -> Job:
+    """One job; the control job (no GPUs) on `cluster.cpu_partition` where there is one."""
     c = cfg.cluster
     return Job(
         name=name,
@@ -349,7 +350,7 @@ def job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: in
         cpus_per_task=cpus,
         mem_gb=mem_gb,
         time_min=c.time_min,
-        partition=c.partition,
+        partition=(c.cpu_partition or c.partition) if name == "control" else c.partition,
         account=c.account,
         qos=c.qos,
         constraint=c.constraint,
@@ -377,20 +378,11 @@ def sweep_share(
     return processes, jobs, notes
 
 
-def cluster_notes(cfg: DictConfig, size: Footprint) -> list[str]:
-    """What a reader of the plan should know of its cluster: Slurm's default partition, and
-    on GPUs the training state and served weights per GPU."""
-    notes = []
+def cluster_notes(cfg: DictConfig) -> list[str]:
+    """What a reader of the plan should know of its cluster: Slurm's default partition."""
     if cfg.cluster.kind == ClusterKind.slurm and cfg.cluster.partition is None:
-        notes.append("no cluster.partition: Slurm's default partition is used")
-    if cfg.cluster.gpus_per_node and cfg.cluster.gpu_memory_gb:
-        state = cfg.model.total_params_b * TRAIN_BYTES_PER_PARAM / size.mesh["world"]
-        notes.append(f"trainer state per GPU ~{state:.1f} GB (of {cfg.cluster.gpu_memory_gb:g})")
-        weights = cfg.model.total_params_b * serve_bytes_per_param(cfg)
-        notes.append(
-            f"inference weights ~{weights:.0f} GB per replica, {size.replica_nodes} node(s)"
-        )
-    return notes
+        return ["no cluster.partition: Slurm's default partition is used"]
+    return []
 
 
 class LocalDevices:

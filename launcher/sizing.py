@@ -14,9 +14,19 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from launcher.balance import generation, sync_seconds, train_seconds, workload
 from launcher.errors import PlanError, refuse
 from launcher.gpus import describe as describe_gpus
 from launcher.gpus import detect as detect_gpus
+from launcher.memory import (
+    CUDA_CONTEXT_GB,
+    DTYPE_BYTES,
+    GIB,
+    InferenceMemory,
+    TrainerMemory,
+    inference_memory,
+    trainer_memory,
+)
 from rl.core.config import Backend, ClusterKind, Placement
 from rl.core.derive import (
     CHECKPOINT_COPIES,
@@ -27,31 +37,17 @@ from rl.core.derive import (
     trainer_dims,
 )
 
-# Trainer state per parameter under FSDP2 mixed precision: fp32 sharded parameters (4 B),
-# fp32 gradients (4 B) and two AdamW moments (8 B); and served weights' bytes by dtype.
+# Shared placement's estimate (shared_split): fp32 weights, gradients and two AdamW moments
+# per parameter (bf16 weights only with CPU offload), and activation bytes per token, layer
+# and hidden unit without checkpointing (bf16, the usual 34 of a transformer block with
+# fused attention).
 TRAIN_BYTES_PER_PARAM = 16
-
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
-
-# Share of GPU memory the sharded training state may take; the rest holds activations.
-TRAIN_MEMORY_FRACTION = 0.8
-
-
-# Share of a replica's GPU memory its weights may take; the rest is KV cache.
-INFERENCE_WEIGHT_FRACTION = 0.8
-
-
-GIB = 2**30
-
-
-# Shared placement's estimate (shared_split): a CUDA context and allocator slack per process,
-# and activation bytes per token, layer and hidden unit without checkpointing (bf16, the
-# usual 34 of a transformer block with fused attention).
-CUDA_CONTEXT_GB = 1.0
-
-
 ACTIVATION_BYTES_PER_HIDDEN = 34
+
+
+HOST_FRACTION = 0.8
+"""Share of a node's host memory offloaded trainer state may take (the rest: the processes,
+pinned buffers, page cache)."""
 
 
 def fill_gpus(cfg: DictConfig) -> str | None:
@@ -80,49 +76,98 @@ def decide(node: Any, key: str, value: Any) -> None:
 
 
 def trainer_nodes(cfg: DictConfig) -> int:
-    """Nodes for the trainer: as configured, or (nodes=0) the fewest that hold its state."""
-    model, cluster, par = cfg.model, cfg.cluster, cfg.parallel.trainer
-    if cluster.gpus_per_node == 0 or cluster.gpu_memory_gb == 0:
+    """Nodes for the trainer: as configured, or (nodes=0) the fewest whose GPUs hold a rank's
+    memory, with activation checkpointing or CPU offload turned on where that takes it."""
+    cluster, par = cfg.cluster, cfg.parallel.trainer
+    if not (cluster.gpus_per_node and cluster.gpu_memory_gb) or par.nodes:
         return max(par.nodes, 1)
-    state_gb = model.total_params_b * TRAIN_BYTES_PER_PARAM
-    usable_per_node = cluster.gpus_per_node * cluster.gpu_memory_gb * TRAIN_MEMORY_FRACTION
-    needed = math.ceil(state_gb / usable_per_node)
-    needed *= par.dp_replicate  # every replica holds a full sharded copy
-    if par.nodes == 0:
-        return max(needed, 1)
-    if par.nodes < needed:
-        refuse(
-            f"parallel.trainer.nodes={par.nodes}",
-            f"model={model.name} needs ~{state_gb / 1000:.1f} TB of training state "
-            f"({TRAIN_BYTES_PER_PARAM} B/param) per replica; {par.nodes} nodes of "
-            f"{cluster.gpus_per_node} x {cluster.gpu_memory_gb:g} GB hold "
-            f"{par.nodes * usable_per_node / par.dp_replicate / 1000:.1f} TB; use nodes>={needed} "
-            f"or nodes=0 to size automatically",
-        )
-    return par.nodes
+    for nodes in range(1, cluster.nodes + 1):
+        try:
+            mesh = trainer_mesh(cfg, nodes)
+        except PlanError:
+            continue
+        if fit_trainer(cfg, mesh) is not None:
+            return nodes
+    mesh = trainer_mesh(cfg, cluster.nodes)
+    refuse_trainer_memory(cfg, mesh, "cluster.nodes")
+    raise AssertionError("refused above")
+
+
+def trainer_options(cfg: DictConfig) -> list[tuple[bool, bool]]:
+    """(activation checkpointing, CPU offload) as configured, then each turned on in turn."""
+    ckpt, offload = bool(cfg.trainer.activation_checkpointing), bool(cfg.trainer.cpu_offload)
+    options = [(ckpt, offload), (True, offload), (True, True)]
+    return list(dict.fromkeys(options))
+
+
+def fit_trainer(cfg: DictConfig, mesh: dict[str, int]) -> TrainerMemory | None:
+    """The first of `trainer_options` under which one rank fits its GPU (and the offloaded
+    state its node's host memory), or None."""
+    ranks = min(mesh["world"], cfg.cluster.gpus_per_node)
+    for ckpt, offload in trainer_options(cfg):
+        mem = trainer_memory(cfg, mesh, ckpt, offload)
+        if mem.fits and mem.host_per_gpu * ranks <= cfg.cluster.mem_gb_per_node * HOST_FRACTION:
+            return mem
+    return None
+
+
+def refuse_trainer_memory(cfg: DictConfig, mesh: dict[str, int], key: str) -> None:
+    ckpt, offload = trainer_options(cfg)[-1]
+    mem = trainer_memory(cfg, mesh, ckpt, offload)
+    ranks = min(mesh["world"], cfg.cluster.gpus_per_node)
+    refuse(
+        key,
+        f"model={cfg.model.name} does not fit {mesh['world']} trainer GPUs of "
+        f"{cfg.cluster.gpu_memory_gb:g} GiB even with activation checkpointing and CPU "
+        f"offload: per GPU {mem.describe()}, and {mem.host_per_gpu * ranks:.0f} GiB of host "
+        f"memory per node (of {cfg.cluster.mem_gb_per_node} x {HOST_FRACTION:g}); use more "
+        f"trainer nodes (parallel.trainer.nodes=0 sizes them) or a smaller "
+        f"trainer.micro_batch_tokens",
+    )
 
 
 def replica_nodes(cfg: DictConfig) -> int:
-    """Nodes per inference replica: as configured, or (0) the fewest that hold the weights."""
-    model, cluster, inf = cfg.model, cfg.cluster, cfg.parallel.inference
-    if cluster.gpus_per_node == 0 or cluster.gpu_memory_gb == 0:
+    """Nodes per inference replica: as configured, or (0) the fewest whose GPUs hold the
+    weights and a KV cache of at least one sequence of the served length."""
+    cluster, inf = cfg.cluster, cfg.parallel.inference
+    if not (cluster.gpus_per_node and cluster.gpu_memory_gb):
         return max(inf.nodes_per_replica, 1)
-    weights_gb = model.total_params_b * serve_bytes_per_param(cfg)
-    usable = cluster.gpus_per_node * cluster.gpu_memory_gb * INFERENCE_WEIGHT_FRACTION
-    needed = math.ceil(weights_gb / usable)
-    if inf.nodes_per_replica == 0:
-        return needed
-    per_replica_gpus = inf.tp * max(inf.dp, 1) if inf.dp != -1 else cluster.gpus_per_node
-    capacity = per_replica_gpus * inf.nodes_per_replica * cluster.gpu_memory_gb
-    if weights_gb > capacity * INFERENCE_WEIGHT_FRACTION:
-        refuse(
-            "parallel.inference",
-            f"model={model.name} serves ~{weights_gb:.0f} GB of weights but a replica of "
-            f"{inf.nodes_per_replica} node(s) x {per_replica_gpus} GPUs x "
-            f"{cluster.gpu_memory_gb:g} GB leaves {capacity * INFERENCE_WEIGHT_FRACTION:.0f} GB "
-            f"for them; raise tp/dp, set nodes_per_replica={needed} or 0 to size automatically",
-        )
-    return inf.nodes_per_replica
+    if inf.nodes_per_replica:
+        mem = replica_memory(cfg, inf.nodes_per_replica)
+        if not mem.fits:
+            refuse(
+                f"parallel.inference.nodes_per_replica={inf.nodes_per_replica}",
+                f"model={cfg.model.name} on {replica_gpus_of(cfg, inf.nodes_per_replica)} "
+                f"GPUs per replica leaves no KV cache for one sequence of "
+                f"{mem.served_len:,} tokens: per GPU {mem.describe()}; set nodes_per_replica=0 "
+                f"to size it, raise tp/dp, or shorten the served length",
+            )
+        return inf.nodes_per_replica
+    experts = cfg.model.num_experts if inf.expert_parallel else 0
+    for nodes in range(1, cluster.nodes + 1):
+        if experts and experts % replica_gpus_of(cfg, nodes):
+            continue  # vLLM spreads the experts evenly over the replica's GPUs
+        if replica_memory(cfg, nodes).fits:
+            return nodes
+    refuse(
+        "parallel.inference.nodes_per_replica=0",
+        f"model={cfg.model.name} does not fit {cluster.nodes} nodes per replica: per GPU "
+        f"{replica_memory(cfg, cluster.nodes).describe()}",
+    )
+    raise AssertionError("refused above")
+
+
+def replica_gpus_of(cfg: DictConfig, nodes: int) -> int:
+    """GPUs of one replica (or instance) spanning `nodes` nodes: every GPU of each."""
+    return cfg.cluster.gpus_per_node * nodes if nodes > 1 else replica_gpus(cfg)
+
+
+def replica_memory(cfg: DictConfig, nodes: int) -> InferenceMemory:
+    """One GPU of a replica on `nodes` nodes. A dense replica spanning nodes is
+    pipeline-parallel: its weights split over them."""
+    gpus = replica_gpus_of(cfg, nodes)
+    stages = nodes if nodes > 1 and not data_parallel(cfg, nodes) else 1
+    return inference_memory(cfg, gpus, max_model_len(cfg), stages)
 
 
 def trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
@@ -143,20 +188,18 @@ def trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
     return dims.as_dict()
 
 
-def check_trainer_memory(cfg: DictConfig, mesh: dict[str, int]) -> None:
-    """Each rank holds 1/(dp_shard x cp) of the training state."""
-    gpu_gb = cfg.cluster.gpu_memory_gb
-    if not (cfg.cluster.gpus_per_node and gpu_gb):
-        return
-    shards = mesh["world"] // mesh["dp_replicate"]
-    per_rank = cfg.model.total_params_b * TRAIN_BYTES_PER_PARAM / shards
-    if per_rank > gpu_gb * TRAIN_MEMORY_FRACTION:
-        refuse(
-            f"parallel={cfg.parallel.name}",
-            f"model={cfg.model.name} puts ~{per_rank:.0f} GB of training state on each of "
-            f"{shards} shards, over {TRAIN_MEMORY_FRACTION:.0%} of a {gpu_gb:g} GB GPU; "
-            f"use more trainer ranks (e.g. parallel=fsdp, or ep8 for MoE)",
-        )
+def check_trainer_memory(cfg: DictConfig, mesh: dict[str, int]) -> TrainerMemory | None:
+    """One rank's memory fits its GPU: activation checkpointing, then CPU offload, turned on
+    (and recorded in the config) where needed; refused with the numbers otherwise."""
+    if not (cfg.cluster.gpus_per_node and cfg.cluster.gpu_memory_gb):
+        return None
+    mem = fit_trainer(cfg, mesh)
+    if mem is None:
+        refuse_trainer_memory(cfg, mesh, f"parallel={cfg.parallel.name}")
+        raise AssertionError("refused above")
+    decide(cfg.trainer, "activation_checkpointing", mem.checkpointing)
+    decide(cfg.trainer, "cpu_offload", mem.offload)
+    return mem
 
 
 def replica_gpus(cfg: DictConfig) -> int:
@@ -175,9 +218,9 @@ def per_node(cfg: DictConfig, replica_nodes: int) -> int:
     return max(1, gpus // replica_gpus(cfg))
 
 
-def inference_nodes(cfg: DictConfig, replica_nodes: int) -> int:
+def inference_nodes(cfg: DictConfig, replica_nodes: int, replicas: int | None = None) -> int:
     """Nodes of the inference job: its instances (replicas x prefill/decode), packed."""
-    instances = cfg.parallel.inference.replicas * pd_factor(cfg)
+    instances = (replicas or cfg.parallel.inference.replicas) * pd_factor(cfg)
     return -(-instances // per_node(cfg, replica_nodes)) * replica_nodes
 
 
@@ -414,23 +457,75 @@ class Footprint:
     """Inference and trainer share this machine's one GPU."""
     notes: list[str]
     """What sizing decided for the run (activation checkpointing turned on to fit)."""
+    trainer_memory: TrainerMemory | None = None
+    """One trainer GPU's memory, on a cluster with GPUs."""
 
 
 def size_run(cfg: DictConfig) -> Footprint:
-    """Size the run and refuse what does not fit: trainer nodes and mesh against its memory,
-    replicas against their weights, the whole run against the cluster, and one local GPU
-    shared by inference and trainer."""
-    trainer, replica = trainer_nodes(cfg), replica_nodes(cfg)
+    """Size the run and refuse what does not fit: replicas against their weights and KV
+    cache, trainer nodes and mesh against a rank's memory, both against each other's step
+    time (launcher/balance.py), the whole run against the cluster, and one local GPU shared
+    by inference and trainer."""
+    replica = replica_nodes(cfg)
+    trainer = balance_layout(cfg, trainer_nodes(cfg), replica)
     mesh = trainer_mesh(cfg, trainer)
-    check_trainer_memory(cfg, mesh)
+    shared = shared_gpu(cfg)  # its one GPU's split is checked on its own (check_shared_gpu)
+    memory = None if shared else check_trainer_memory(cfg, mesh)
     check_cluster(cfg, trainer, replica)
     check_inference_layout(cfg, replica)
-    shared = shared_gpu(cfg)
     notes: list[str] = []
     if shared:
         turned_on = check_shared_gpu(cfg)
         notes += [format_split(shared_split(cfg), cfg), *([turned_on] if turned_on else [])]
-    return Footprint(trainer, replica, mesh, shared, notes)
+    return Footprint(trainer, replica, mesh, shared, notes, memory)
+
+
+NEAR_FASTEST = 1.1
+"""The balance takes the fewest nodes whose step is within this factor of the fastest."""
+
+
+def balance_layout(cfg: DictConfig, fewest_trainer: int, replica: int) -> int:
+    """Trainer nodes (`parallel.trainer.nodes=0`) and inference replicas
+    (`parallel.inference.replicas=0`, decided on the config) that the plan chooses: of the
+    layouts that fit the cluster, the fewest nodes whose step (the slower side's time, then
+    the weight sync) is within `NEAR_FASTEST` of the fastest. Returns the trainer's nodes."""
+    par, inf, cluster = cfg.parallel.trainer, cfg.parallel.inference, cfg.cluster
+    auto_trainer, auto_replicas = par.nodes == 0, inf.replicas == 0
+    if not (cluster.gpus_per_node and cluster.gpu_memory_gb) or not (auto_trainer or auto_replicas):
+        if auto_replicas:
+            decide(inf, "replicas", 1)
+        return fewest_trainer
+    work = workload(cfg, max_model_len(cfg))
+    mem, gpus = replica_memory(cfg, replica), replica_gpus_of(cfg, replica)
+    options = []
+    trainers = range(fewest_trainer, cluster.nodes + 1) if auto_trainer else [fewest_trainer]
+    for nodes in trainers:
+        try:
+            fit = fit_trainer(cfg, trainer_mesh(cfg, nodes))
+        except PlanError:
+            continue
+        if fit is None:
+            continue
+        train = train_seconds(
+            cfg, work, nodes * cluster.gpus_per_node, fit.offload, fit.checkpointing
+        )
+        for replicas in range(1, cluster.nodes + 1) if auto_replicas else [inf.replicas]:
+            used = nodes + inference_nodes(cfg, replica, replicas)
+            if used > cluster.nodes:
+                break
+            gen = generation(cfg, work, mem, gpus, replicas, disaggregated(cfg)).seconds
+            sync = sync_seconds(cfg, replicas * pd_factor(cfg))
+            options.append((max(train, gen) + sync, used, nodes, replicas))
+    if not options:  # check_cluster says why
+        if auto_replicas:
+            decide(inf, "replicas", 1)
+        return fewest_trainer
+    fastest = min(option[0] for option in options)
+    near = [option for option in options if option[0] <= NEAR_FASTEST * fastest]
+    _, _, nodes, replicas = min(near, key=lambda option: (option[1], option[0]))
+    if auto_replicas:
+        decide(inf, "replicas", replicas)
+    return nodes
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,12 @@ def test_a_failing_or_missing_nvidia_smi_means_cpu(fake_nvidia_smi) -> None:
     assert cfg.cluster.gpus_per_node == 0
 
 
-ONE_24GB_GPU = ("cluster.gpus_per_node=1", "cluster.gpu_memory_gb=24")
+# One 24 GB GPU, serving the model's own length (not the smoke test's 256 tokens).
+ONE_24GB_GPU = (
+    "cluster.gpus_per_node=1",
+    "cluster.gpu_memory_gb=24",
+    "environment.max_context_tokens=null",
+)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +96,12 @@ def test_one_24gb_gpu_is_shared_by_inference_and_trainer(
 
 
 def test_a_model_that_cannot_share_the_gpu_is_refused_with_its_numbers() -> None:
-    cfg = compose_run("model=qwen3_0_6b", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=12")
+    cfg = compose_run(
+        "model=qwen3_0_6b",
+        "cluster.gpus_per_node=1",
+        "cluster.gpu_memory_gb=12",
+        "environment.max_context_tokens=null",  # served at the model's own length
+    )
     with pytest.raises(PlanError) as refused:
         plan(cfg)
     message = str(refused.value)

@@ -419,8 +419,10 @@ def test_sbatch_options_follow_the_plan() -> None:
     assert flags["trainer"] == (
         f"--job-name={p.run_name}-trainer --nodes={trainer.nodes} --ntasks-per-node=1 "
         f"--cpus-per-task=96 --mem=1024GB --time=1440 --partition=gpu --account=proj "
-        f"--qos=high --gpus-per-node=8 --exclusive --signal=USR2@120 --reservation=rl"
+        f"--qos=high --gpus-per-node=8 --exclusive "
+        f"--signal=USR2@{cfg.cluster.signal_delay_s} --reservation=rl"
     )
+    assert cfg.cluster.signal_delay_s > 120  # the plan's estimate of a step and a checkpoint
     # The control job needs no GPU and no whole node.
     assert "--gpus-per-node" not in flags["control"] and "--exclusive" not in flags["control"]
 

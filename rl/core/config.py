@@ -259,13 +259,36 @@ class ModelConfig:
     """Width of one expert's MLP."""
     first_dense_layers: int = 0
     """Leading decoder blocks that use a dense MLP instead of MoE."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (MLA): rank of the query's low-rank projection; 0: queries
+    projected straight from the residual stream."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent (what the KV cache holds per layer and
+    token, beside the rotary key); 0: grouped-query attention (`num_kv_heads` x `head_dim`)."""
+    qk_rope_head_dim: int = 0
+    """MLA: rotary part of each query/key head (`head_dim` is the whole query/key head)."""
+    v_head_dim: int = 0
+    """MLA: width of each value head; 0: `head_dim`."""
+    index_n_heads: int = 0
+    """DeepSeek sparse attention: heads of the lightning indexer (0: no indexer)."""
+    index_head_dim: int = 0
+    """DeepSeek sparse attention: width of an indexer head (its keys are cached too)."""
+    index_topk: int = 0
+    """DeepSeek sparse attention: keys each query attends to (0: every earlier key)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction blocks the checkpoint ships beside the decoder (served as the
+    speculative draft, `inference.speculative_method: mtp`; not trained)."""
+    warmup_steps: int = bounded(0, ge=0, note="0: none")
+    """Supervised warm-up steps this model needs before RL (`warmup.steps` by default): a
+    tiny model built here learns the task's format first; a pretrained model needs none."""
     hf_config: dict[str, Any] = field(default_factory=dict)
     """Further transformers config attributes for a model built here (`source: random`), such
     as GLM-5's attention ranks for a tiny instance."""
     total_params_b: float = MISSING
-    """Total parameters, in billions (as published)."""
+    """Total parameters, in billions, as published (the plan derives its own count from the
+    fields above, launcher/memory.py, and a test holds the two together)."""
     active_params_b: float = MISSING
-    """Parameters active per token, in billions (as published)."""
+    """Parameters active per token, in billions, as published."""
     seed: int = bounded(0, ge=0, le=MAX_SEED)
     """Seed of the weights of a model built here (`source: random`); the run's `seed` varies
     the RL run only, so runs that differ in it start from the same model."""
@@ -309,8 +332,9 @@ class TrainerParallelConfig:
 class InferenceParallelConfig:
     """Inference replicas and each replica's vLLM parallel degrees."""
 
-    replicas: int = bounded(1, ge=1)
-    """Independent inference servers the orchestrator spreads requests over."""
+    replicas: int = bounded(1, ge=1, also=(0,), note="or 0: sized by the plan")
+    """Independent inference servers the orchestrator spreads requests over; 0: as many as
+    the plan's balance of generation against training asks for (launcher/sizing.py)."""
     nodes_per_replica: int = 1
     """Nodes one replica spans; 0 lets the planner size it from the model's weights."""
     tp: int = bounded(1, ge=1)
@@ -407,6 +431,10 @@ class EnvironmentConfig:
     """Environment id in the registry."""
     max_tokens: int = bounded(32, ge=1)
     """Most completion tokens sampled per turn."""
+    max_context_tokens: int | None = bounded(None, ge=1)
+    """Longest prompt plus completions of one sample this task produces: the length served
+    (below the model's own) and the plan's KV-cache and time estimates; None: the model's
+    served length."""
     group_size: int = bounded(8, ge=2, text="needs >= 2 for a baseline")
     """Completions per prompt (the group the advantage baseline is taken over)."""
     prompts_per_step: int = bounded(16, ge=1)
@@ -461,8 +489,21 @@ class ClusterConfig:
     role group has nodes of its own), half of them locally (trainer and inference share)."""
     exclusive: bool = False
     """Slurm: ask for whole nodes (`--exclusive`) for the trainer and inference jobs."""
-    signal_delay_s: int = bounded(120, ge=0)
-    """Slurm: seconds before the time limit at which a job is told to checkpoint and requeue."""
+    signal_delay_s: int | None = bounded(None, ge=0)
+    """Slurm: seconds before the time limit at which a job is told to checkpoint and requeue;
+    None: the plan's estimate of a step and a checkpoint, with a margin (launcher/balance.py)."""
+    cpu_partition: str | None = None
+    """Slurm partition of the control job (queue and orchestrator, no GPUs); None: `partition`."""
+    gpu_tflops: float = bounded(989.0, gt=0)
+    """Dense bf16 peak of one GPU, TFLOP/s (H100 SXM), for the plan's time estimates."""
+    gpu_bandwidth_gbs: float = bounded(3350.0, gt=0)
+    """Memory bandwidth of one GPU, GB/s (H100 SXM), for the plan's decode estimate."""
+    link_gbs: float = bounded(50.0, gt=0)
+    """Network bandwidth per GPU between nodes, GB/s (one 400 Gb/s NIC per GPU), for the
+    weight-broadcast estimate."""
+    storage_gbs: float = bounded(20.0, gt=0)
+    """Shared filesystem bandwidth, all nodes together, GB/s: checkpoints and published
+    weights (the plan's estimates and the signal delay)."""
     max_requeues: int = 3
     """Slurm: how often a timed-out job is requeued (preemptions are always requeued)."""
 
@@ -520,8 +561,9 @@ class QueueConfig:
 class WarmupConfig:
     """Supervised warm-up (SFT) run by the trainer before RL."""
 
-    steps: int = bounded(0, ge=0, note="0 skips the warm-up")
-    """SFT optimiser steps (0 skips the warm-up)."""
+    steps: int = bounded(II("model.warmup_steps"), ge=0, note="0 skips the warm-up")
+    """SFT optimiser steps (0 skips the warm-up); by default the model option's
+    `warmup_steps`."""
     lr: float = bounded(1e-3, gt=0)
     """SFT learning rate."""
     batch_size: int = bounded(64, ge=1)
@@ -554,7 +596,12 @@ class TrainerConfig:
     """Recompute each decoder block's activations in the backward pass (less memory, ~1/3 more
     compute)."""
     cpu_offload: bool = False
-    """FSDP: keep sharded parameters, gradients and optimiser state in host memory."""
+    """FSDP: keep sharded parameters, gradients and optimiser state in host memory (the plan
+    turns it on when the GPUs cannot hold them)."""
+    stop_checkpoint_optimizer: bool = True
+    """Whether the checkpoint taken when Slurm stops the job (preemption, time limit) holds
+    AdamW's moments; false: weights and step only, a third of the bytes, and the resumed
+    run restarts the moments from zero."""
     packing: bool = True
     """Pack a micro-batch's samples into rows as long as its longest sample, with attention
     kept inside each sample (rl/trainer/packing.py); False pads one sample per row."""

@@ -22,9 +22,12 @@ def inference_backend(cfg: RunConfig) -> Backend:
 
 
 def max_model_len(cfg: RunConfig) -> int:
-    """The longest prompt + completion served: `model.inference.max_model_len`, or the model's
-    context length."""
-    return int(cfg.model.inference.max_model_len or cfg.model.context_length)
+    """The longest prompt + completion served: `model.inference.max_model_len` (or the model's
+    context length), shortened to what the environment needs (`max_context_tokens`), so that
+    a large model serving a short task does not reserve KV cache for its whole context."""
+    model_len = int(cfg.model.inference.max_model_len or cfg.model.context_length)
+    needed = cfg.environment.max_context_tokens
+    return min(model_len, int(needed)) if needed else model_len
 
 
 def learning_rate(cfg: RunConfig) -> float:

@@ -1,7 +1,9 @@
 """Trainer checkpoints and whole weights under any sharding.
 
 Checkpoints go through torch.distributed.checkpoint (DCP): every rank writes its own shards,
-and a checkpoint written by one world size loads into another. `full_state_dict` gathers the
+and a checkpoint written by one world size loads into another. A stopped job's checkpoint may
+leave out the optimiser state (`trainer.stop_checkpoint_optimizer=false`): a third of the bytes,
+and the resumed run's AdamW moments start from zero. `full_state_dict` gathers the
 weights for an HF-layout export on rank 0.
 """
 
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -47,19 +50,40 @@ def _checkpointed(
 
 
 def save_checkpoint(
-    model: Any, optimizer: Any, step: int, target: Path, trainable_only: bool = False
+    model: Any,
+    optimizer: Any,
+    step: int,
+    target: Path,
+    trainable_only: bool = False,
+    with_optimizer: bool = True,
 ) -> None:
-    """Model, optimiser and step with DCP, each rank writing its shards (a collective)."""
+    """Model, optimiser and step with DCP, each rank writing its shards (a collective);
+    without `with_optimizer` (a stopped job's checkpoint, `trainer.stop_checkpoint_optimizer`)
+    the weights and step only."""
     model_state, optim_state, _ = _checkpointed(model, optimizer, trainable_only)
-    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=target)
+    state: dict[str, Any] = {"model": model_state, "step": step}
+    if with_optimizer:
+        state["optim"] = optim_state
+    dcp.save(state, checkpoint_id=target)
+
+
+def has_optimizer(source: Path) -> bool:
+    """Whether a DCP checkpoint holds the optimiser's state."""
+    keys = dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    return any(key.startswith("optim.") for key in keys)
 
 
 def load_checkpoint(model: Any, optimizer: Any, source: Path, trainable_only: bool = False) -> int:
     """Load a DCP checkpoint into the model and optimiser as they are sharded now (any world
     size); returns its step."""
     model_state, optim_state, options = _checkpointed(model, optimizer, trainable_only)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "step": 0}
+    state: dict[str, Any] = {"model": model_state, "step": 0}
+    if has_optimizer(source):  # else AdamW's moments start again from zero
+        state["optim"] = optim_state
     dcp.load(state, checkpoint_id=source)
+    if "optim" not in state:
+        set_model_state_dict(model, state["model"], options=options)
+        return int(state["step"])
     set_state_dict(
         model,
         optimizer,

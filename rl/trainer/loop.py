@@ -302,7 +302,7 @@ class Trainer:
         if self.rank == 0:
             self.weights.publish(version, self.model, self.tokenizer, state)
 
-    def checkpoint(self, step: int) -> None:
+    def checkpoint(self, step: int, with_optimizer: bool = True) -> None:
         """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank
         writes its shards; the COMPLETE marker comes last). Without room for it on the disk
         (rank 0 decides for all) it is not started: rl/core/disk.py's DiskFull says so."""
@@ -313,7 +313,14 @@ class Trainer:
         if not self.on_rank_0(check_room(target, need) is None):  # every rank stops alike
             raise DiskFull(target, errno.ENOSPC, free_bytes(target), need)
         with writing(target, partial=target):  # a full disk: none of it is of use
-            save_checkpoint(self.model, self.optimizer, step, target, lora_enabled(self.cfg.model))
+            save_checkpoint(
+                self.model,
+                self.optimizer,
+                step,
+                target,
+                lora_enabled(self.cfg.model),
+                with_optimizer=with_optimizer,
+            )
         dist.barrier()
         if self.rank == 0:
             mark_complete(target)
@@ -425,7 +432,7 @@ class Trainer:
         for step in range(first, cfg.max_steps):
             if self.stop_requested():
                 if step:  # before the first step there is nothing a resume would keep
-                    self.checkpoint(step)
+                    self.checkpoint(step, cfg.trainer.stop_checkpoint_optimizer)
                 if self.rank == 0:
                     self.run_dir.checkpointed.write_text(str(step))
                 self.log.info("checkpointed at step %d and stopped, as asked", step)
