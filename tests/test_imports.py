@@ -174,9 +174,10 @@ RL_LAYERS = (
 )
 # launcher/: each module is a package of its own.
 LAUNCHER_LAYERS = (
-    ("launcher", "launcher.errors", "launcher.gpus", "launcher.report"),
+    ("launcher", "launcher.errors", "launcher.gpus", "launcher.report", "launcher.memory"),
+    ("launcher.balance",),
     ("launcher.tracking", "launcher.sizing", "launcher.help"),
-    ("launcher.vllm_args",),
+    ("launcher.estimates", "launcher.vllm_args"),
     ("launcher.checks",),
     ("launcher.plan",),
     ("launcher.run_dir", "launcher.processes", "launcher.slurm_cli"),
