@@ -56,12 +56,19 @@ def _hydra_entry() -> None:
 
 def main() -> None:
     """Console entry point of `rl`."""
+    # Every role is a process importing torch: without a bytecode cache each would compile it
+    # from source again (~6 s of CPU a process, every run), so the run's processes write one.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     from launcher.status import fast_status
 
-    if fast_status(sys.argv[1:]):
-        return
-    if {"--help", "-h"} & set(sys.argv[1:]):
-        _help([a for a in sys.argv[1:] if not a.startswith("-")])
+    try:
+        if fast_status(sys.argv[1:]):
+            return
+        if {"--help", "-h"} & set(sys.argv[1:]):
+            _help([a for a in sys.argv[1:] if not a.startswith("-")])
+            return
+    except BrokenPipeError:  # `rl --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     from launcher.errors import one_line
 
