@@ -12,15 +12,25 @@ trainer did before, grows rank 0 by the whole model (about four times its shard 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
-from rl.core.model import ensure_checkpoint
+from rl.core.model import (
+    empty_model,
+    ensure_checkpoint,
+    inference_state,
+    load_tokenizer,
+    publish_weights,
+)
 from rl.core.runtime import load_run_config
+from rl.trainer.loading import load_shards
+from rl.trainer.lora import adapter_start
 from tests.support import dist_workers, loading, parallel
 from tests.support.parallel import prepare
 from tests.support.runs import compose_run
@@ -100,3 +110,42 @@ def test_each_rank_grows_by_its_shard_not_the_model(loaded: dict[str, Any]) -> N
     for rank, (growth, held) in enumerate(measured):
         assert held < whole / WORLD * 1.1, (rank, held)
         assert growth <= held + OVERHEAD, (rank, growth / 1e6, held / 1e6)
+
+
+def test_fp8_versions_are_published_in_the_base_format(cache: Path, tmp_path: Path) -> None:
+    """A version of an FP8 base is re-quantized into the base's format: the same files,
+    names, dtypes and shapes, and each weight's values and block scales those of the reference
+    quantizer; loaded again, it dequantizes to what the reference arithmetic gives."""
+    source = ensure_checkpoint(compose_run(*FP8_GLM5).model)
+    fp8_dir, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
+    loading.write_fp8_checkpoint(source, fp8_dir, dequantized)
+    model = empty_model(fp8_dir, dtype="bfloat16").eval()
+    load_shards(model, fp8_dir, torch.device("cpu"), partial(adapter_start, seed=0))
+    state = inference_state(model, checkpoint_layout=True)
+    target = tmp_path / "step_1"
+    publish_weights(model, load_tokenizer(source), target, fp8_base=fp8_dir)
+    for extra in ("config.json", "model.safetensors.index.json"):
+        assert (target / extra).read_text() == (fp8_dir / extra).read_text()
+    published: dict[str, torch.Tensor] = {}
+    for file in sorted(p.name for p in fp8_dir.glob("*.safetensors")):
+        with safe_open(fp8_dir / file, "pt") as want, safe_open(target / file, "pt") as got:
+            assert sorted(got.keys()) == sorted(want.keys())
+            for key in want.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                old, new = want.get_slice(key), got.get_slice(key)
+                assert (new.get_dtype(), new.get_shape()) == (old.get_dtype(), old.get_shape())
+                published[key] = got.get_tensor(key)
+    quantized = [k for k in state if f"{k}_scale_inv" in published]
+    for key, tensor in state.items():
+        if key not in quantized:
+            assert torch.equal(published[key], tensor), key
+            continue
+        values, scales = loading.quantize_blocks(tensor)
+        assert torch.equal(published[key].view(torch.uint8), values.view(torch.uint8)), key
+        assert torch.equal(published[f"{key}_scale_inv"], scales), key
+    assert len(quantized) > 20
+    reloaded = empty_model(target, dtype="bfloat16").eval()
+    load_shards(reloaded, target, torch.device("cpu"), partial(adapter_start, seed=0))
+    again = inference_state(reloaded, checkpoint_layout=True)
+    for key in quantized:
+        want = loading.dequantize_blocks(*loading.quantize_blocks(state[key]))
+        assert torch.equal(again[key], want.to(torch.bfloat16)), key

@@ -23,7 +23,6 @@ recomputed as transformers recomputes them after its own meta-device load.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +36,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rl.core.lora import is_adapter_name
+from rl.core.model import safetensors_files
 from rl.weights import fp8
 from rl.weights.lora import adapter_tensors, base_tensors
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 Region = tuple[slice, ...]
 
 
@@ -51,13 +49,7 @@ class SafetensorsFiles:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        index = self.path / INDEX
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (self.path / SINGLE).is_file():
-            files = [SINGLE]
-        else:
-            raise FileNotFoundError(f"{self.path}: neither {INDEX} nor {SINGLE}")
+        files = safetensors_files(self.path)
         self.file_of: dict[str, str] = {}
         self.shape_of: dict[str, tuple[int, ...]] = {}
         for file in files:
