@@ -11,6 +11,7 @@ import errno
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ from rl.core.runtime import (
 from rl.envs import make_environment
 from rl.trainer.batches import IDLE, micro_batch, sft_batch, token_logprobs
 from rl.trainer.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from rl.trainer.lora import nbytes, train_only, wrap
+from rl.trainer.loading import load_shards
+from rl.trainer.lora import adapter_start, nbytes, train_only, wrap
 from rl.trainer.losses import LOSSES, loss_stats, reduce
 from rl.trainer.metrics import SUMMED_STATS, env_metrics, memory_metrics, step_metrics
 from rl.trainer.packing import packed_logprobs
@@ -69,6 +71,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.base)
         self.model = self.build_model()
         self.layout = parallelize(self.model, self.dims, cfg.trainer, self.device)
+        self.load_weights()
         self.log.info(
             "mesh %s on %s: %.1f MB of parameters on this rank",
             self.dims, self.device, local_parameter_bytes(self.model) / 1e6,
@@ -103,22 +106,19 @@ class Trainer:
         return dims
 
     def build_model(self) -> Any:
-        """The model before parallelism: read by rank 0 (and by one process), built on the
-        meta device (shapes, no memory) by the other ranks, which receive their shards after
-        sharding; with LoRA, wrapped with its adapter (a resumed run's base is its version 0,
-        the model after warm-up)."""
+        """The model before parallelism, on the meta device (shapes, no memory: every rank
+        reads its own shards once it is parallelized); with LoRA, wrapped with its adapter (a
+        resumed run's base is its version 0, the model after warm-up)."""
         cfg = self.cfg
-        weights = self.lora_base() if lora_enabled(cfg.model) else self.base
-        if self.dims.sharded and self.rank != 0:
-            model = empty_model(weights, dtype=cfg.model.dtype)
-        else:
-            model = load_model(weights, dtype=cfg.model.dtype, device=self.device)
+        self.weights_source = self.lora_base() if lora_enabled(cfg.model) else self.base
+        # In evaluation mode, as transformers loads a model (activation checkpointing,
+        # applied later, switches to training mode).
+        model = empty_model(self.weights_source, dtype=cfg.model.dtype).eval()
         # Bytes of a weight update (for LoRA, the adapter's) and of the full weights.
         self.update_bytes = self.full_bytes = nbytes(model.parameters())
         if not lora_enabled(cfg.model):
             return model
-        torch.manual_seed(cfg.seed)  # A's random start: the same in any layout
-        model = wrap(model, cfg.model)  # before sharding: FSDP shards the adapter with the rest
+        model = wrap(model, cfg.model, cfg.seed)  # before sharding: FSDP shards it too
         self.update_bytes = nbytes(p for p in model.parameters() if p.requires_grad)
         self.log.info(
             "LoRA rank %d on %s: a weight update moves %.3f MB, the full weights %.3f MB "
@@ -127,6 +127,19 @@ class Trainer:
             self.full_bytes / 1e6, self.full_bytes / self.update_bytes,
         )  # fmt: skip
         return model
+
+    def load_weights(self) -> None:
+        """Each rank reads its own shards of the weights (one process: all of them), and a
+        LoRA adapter starts from the run's seed (rl/trainer/loading.py)."""
+        t0 = time.monotonic()
+        load_shards(
+            self.model,
+            self.weights_source,
+            self.device,
+            partial(adapter_start, seed=self.cfg.seed),
+            offload=self.cfg.trainer.cpu_offload and self.dims.sharded,
+        )
+        self.log.info("weights read from %s in %.1f s", self.weights_source, time.monotonic() - t0)
 
     def lora_base(self) -> Path:
         """The weights a LoRA run's adapter sits on: its published version 0 when it resumes

@@ -9,8 +9,8 @@ per decoder block and at the root, over `dp_shard` (FSDP) or `dp_replicate x dp_
 sharded inside a group, replicated across groups), with a mixed-precision policy and optional
 CPU offload.
 
-Only rank 0 reads the weights; the other ranks build the model on the meta device and receive
-their shards from it once the model is sharded (`fill_from_rank0`).
+Every rank builds the model on the meta device; once it is parallelized, each rank reads its
+own shards from the checkpoint (rl/trainer/loading.py).
 
 Gradients are those of the whole batch's loss: each rank's loss is already normalised by the
 whole batch's token count, so gradients are summed across ranks, not averaged.
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -149,30 +148,6 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def fill_from_rank0(
-    model: Any, whole: dict[str, torch.Tensor], device: torch.device, cpu_offload: bool = False
-) -> None:
-    """Give a sharded model rank 0's weights (a collective). Rank 0 passes its whole state
-    dict; the other ranks, whose model was built on the meta device, pass nothing, and each
-    rank keeps only its shards. Buffers, which hold no learned state and are not all in a
-    state dict (rotary tables), are sent from rank 0 as they are."""
-    rank = dist.get_rank()
-    if rank != 0:  # sharded parameters live on the host when FSDP offloads them
-        model.to_empty(device="cpu" if cpu_offload else device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, whole, options=options)
-    names = [(name, b.dtype, tuple(b.shape)) for name, b in model.named_buffers()]
-    theirs = [names]
-    dist.broadcast_object_list(theirs, src=0)
-    if theirs[0] != names:
-        raise RuntimeError(f"rank {rank} built other buffers than rank 0: {names} != {theirs[0]}")
-    for module in model.modules():
-        for leaf, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[leaf] = buffer = buffer.to(device)
-                dist.broadcast(buffer, src=0)
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where a rank stands once the model is parallelized: which share of each batch it trains
@@ -186,14 +161,13 @@ class Layout:
 def parallelize(
     model: Any, dims: ParallelDims, trainer: TrainerConfig, device: torch.device
 ) -> Layout:
-    """Apply the trainer's parallelism to `model` (rank 0's holds the weights, the others' are
-    on the meta device), in this order:
+    """Apply the trainer's parallelism to `model` (built on the meta device: the weights are
+    read into its shards afterwards), in this order:
 
     1. context parallelism: attention over the `cp` group (rl/trainer/context_parallel.py);
     2. activation checkpointing of every decoder block (`trainer.activation_checkpointing`);
     3. expert parallelism: each MoE layer's experts split over `ep` (rl/trainer/expert_parallel.py);
-    4. FSDP2: the experts over the ranks that share them, then every block, then the root;
-    5. rank 0's weights sent to every rank's shards.
+    4. FSDP2: the experts over the ranks that share them, then every block, then the root.
 
     One process applies only what needs no mesh (activation checkpointing)."""
     mesh = build_mesh(dims, device.type) if dims.sharded else None
@@ -205,10 +179,8 @@ def parallelize(
         apply_activation_checkpointing(model)
     if mesh is None:
         return Layout(dp_world=dims.dp)
-    whole = dict(model.state_dict()) if dist.get_rank() == 0 else {}
     experts = apply_expert_parallel(model, mesh["ep"]) if dims.ep > 1 else []
     apply_fsdp(model, mesh, dims, experts, cpu_offload=trainer.cpu_offload)
-    fill_from_rank0(model, whole, device, cpu_offload=trainer.cpu_offload)
     return Layout(data_parallel_rank(mesh), dims.dp, cp)
 
 

@@ -25,10 +25,11 @@ POLL_S = 0.01  # how often inference looks for a new version while it waits for 
 
 class FilesystemPublisher(WeightPublisher):
     """Writes `weights/step_N/` and keeps the newest `keep` versions (and version 0): at least
-    every version the orchestrator may still load (rl/core/derive.py's `kept_versions`)."""
+    every version the orchestrator may still load (rl/core/derive.py's `kept_versions`). With
+    `fp8_base`, the base checkpoint in the FP8 block format, each version is written in it."""
 
-    def __init__(self, run_dir: Path, keep: int) -> None:
-        self.run_dir, self.keep = RunDir(run_dir), keep
+    def __init__(self, run_dir: Path, keep: int, fp8_base: Path | None = None) -> None:
+        self.run_dir, self.keep, self.fp8_base = RunDir(run_dir), keep, fp8_base
 
     def wanted(self, version: int) -> bool:
         return not is_complete(self.run_dir.weights_for(version))
@@ -42,7 +43,8 @@ class FilesystemPublisher(WeightPublisher):
         if lora.is_wrapped(model):
             lora.publish(version, model, tokenizer, state, self.run_dir)
         else:
-            publish_weights(model, tokenizer, self.run_dir.weights_for(version), state_dict=state)
+            target = self.run_dir.weights_for(version)
+            publish_weights(model, tokenizer, target, state_dict=state, fp8_base=self.fp8_base)
         self.run_dir.prune_versions(self.keep)
 
 

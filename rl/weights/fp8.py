@@ -1,0 +1,146 @@
+"""The FP8 block format DeepSeek-V3 and GLM-5 publish their checkpoints in: each 2-D weight
+stored as float8_e4m3fn next to a float32 `<name>_scale_inv` holding one scale per
+`weight_block_size` block (128 x 128), so that a weight's value is its FP8 value times its
+block's scale; `config.json`'s `quantization_config` names the format and the block size.
+
+The trainer reads such a checkpoint slice by slice, each slice dequantized to the training
+dtype as it is read (rl/trainer/loading.py): a slice needs only the scales of the blocks it
+touches, and rows or columns that start inside a block take that block's scale.
+
+A version of a model whose base is in this format is published in it too (`write_like`): the
+weights the base quantized are quantized again, each block scaled so that its largest
+magnitude is FP8's largest finite value (448), into the base's files, names, dtypes and
+config, so that a server loads each version as it loads the base.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rl.core.model import SAFETENSORS_INDEX, safetensors_files
+
+SCALE_SUFFIX = "_scale_inv"
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+SMALLEST_SCALE = 1e-12  # the scale of a block of zeros
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+Region = tuple[slice, ...]
+
+
+def block_size(checkpoint: Path) -> tuple[int, int] | None:
+    """The checkpoint's FP8 block size (rows, columns) from its `config.json`, or None when
+    its weights are not in the FP8 block format."""
+    config_file = Path(checkpoint) / "config.json"
+    config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") != "fp8":
+        return None
+    block = quantization.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(
+            f"{config_file}: quantization_config.weight_block_size is {block!r}; the FP8 block "
+            "format needs [rows, columns] (DeepSeek-V3 and GLM-5 publish [128, 128])"
+        )
+    return int(block[0]), int(block[1])
+
+
+def scale_name(weight: str) -> str:
+    """The name of a weight's block scales (`...weight` -> `...weight_scale_inv`)."""
+    return weight + SCALE_SUFFIX
+
+
+def scale_region(region: Region, block: tuple[int, int]) -> Region:
+    """The blocks a 2-D slice of a weight touches, as a slice of its scales."""
+    return tuple(slice(s.start // b, -(-s.stop // b)) for s, b in zip(region, block, strict=True))
+
+
+def dequantize(
+    values: torch.Tensor, scales: torch.Tensor, region: Region, block: tuple[int, int]
+) -> torch.Tensor:
+    """`values` (the FP8 slice `region` of a weight) times the scale of each element's block
+    (`scales`: the slice `scale_region(region, block)` of its scales), in float32."""
+    return values.float() * _per_element(scales, region, block)
+
+
+def _per_element(scales: torch.Tensor, region: Region, block: tuple[int, int]) -> torch.Tensor:
+    """Each element's block scale, over the 2-D slice `region` whose blocks `scales` holds."""
+    index = [
+        torch.arange(s.start, s.stop) // b - s.start // b
+        for s, b in zip(region, block, strict=True)
+    ]
+    return scales.float()[index[0][:, None], index[1][None, :]]
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D weight as FP8 values and float32 block scales: each block's largest magnitude
+    over 448 (edge blocks partial)."""
+    rows, columns = weight.shape
+    grid = (-(-rows // block[0]), -(-columns // block[1]))
+    padded = weight.new_zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    padded[:rows, :columns] = weight
+    largest = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
+    scales = (largest / FP8_MAX).clamp(min=SMALLEST_SCALE)
+    whole = (slice(0, rows), slice(0, columns))
+    values = weight.float() / _per_element(scales, whole, block)
+    return values.to(torch.float8_e4m3fn), scales
+
+
+def _layout(base: Path) -> dict[str, dict[str, torch.dtype]]:
+    """The base checkpoint's files, each with its tensors' names and dtypes."""
+    layout: dict[str, dict[str, torch.dtype]] = {}
+    for file in safetensors_files(base):
+        with safe_open(base / file, "pt") as f:
+            keys = list(f.keys())
+            layout[file] = {k: _dtype(f.get_slice(k).get_dtype()) for k in keys}
+    return layout
+
+
+def _dtype(name: str) -> torch.dtype:
+    return DTYPES.get(name, torch.float8_e4m3fn if name == "F8_E4M3" else torch.float32)
+
+
+def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None:
+    """Write `state` (whole tensors under the checkpoint's names) into `target` in the FP8 base
+    checkpoint's layout: its files, names and dtypes, the weights it quantized quantized
+    again with its block size, its index and its config files."""
+    block = block_size(base)
+    if block is None:
+        raise ValueError(f"{base}: its config.json names no FP8 block format")
+    layout = _layout(base)
+    held = {k for tensors in layout.values() for k in tensors}
+    missing = sorted(set(state) - held)
+    absent = sorted(k for k in held if not k.endswith(SCALE_SUFFIX) and k not in state)
+    if missing or absent:
+        raise KeyError(
+            f"{base}: not the layout of these weights: it holds no {missing[:5]}, and they have "
+            f"no {absent[:5]}"
+        )
+    target.mkdir(parents=True, exist_ok=True)
+    pending: dict[str, torch.Tensor] = {}  # scales whose weight was written, or values
+    for file, tensors in layout.items():
+        out = {}
+        for key, dtype in tensors.items():
+            weight = key.removesuffix(SCALE_SUFFIX)
+            if key in out:  # written with its weight or its scales
+                continue
+            if key in pending:
+                out[key] = pending.pop(key)
+            elif dtype == torch.float8_e4m3fn or key != weight:
+                values, scales = quantize(state[weight], block)
+                out[weight], out[scale_name(weight)] = values, scales
+                if weight not in tensors:
+                    pending[weight] = out.pop(weight)
+                if scale_name(weight) not in tensors:
+                    pending[scale_name(weight)] = out.pop(scale_name(weight))
+            else:
+                out[key] = state[key].to(dtype).contiguous()
+        save_file(out, target / file, metadata={"format": "pt"})
+    for extra in (SAFETENSORS_INDEX, "config.json", "generation_config.json"):
+        if (base / extra).is_file():
+            shutil.copyfile(base / extra, target / extra)
