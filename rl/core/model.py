@@ -243,20 +243,6 @@ def check_matches_config(model_cfg: ModelConfig, model: Any, source: str) -> Non
         raise ValueError(f"model={model_cfg.name}: {source} does not match its config: {wrong}")
 
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-
-
-def safetensors_files(checkpoint: Path) -> list[str]:
-    """The safetensors files of an HF checkpoint: those its index names, or its one file."""
-    index = Path(checkpoint) / SAFETENSORS_INDEX
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    if (Path(checkpoint) / SAFETENSORS_SINGLE).is_file():
-        return [SAFETENSORS_SINGLE]
-    raise FileNotFoundError(f"{checkpoint}: neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}")
-
-
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -301,7 +287,7 @@ def publish_weights(
     """Write an HF-layout checkpoint (of `state_dict` when given: gathered FSDP weights) into a
     temporary directory renamed into place, COMPLETE written last. With `fp8_base` (a base
     checkpoint in the FP8 block format), in that checkpoint's format and files
-    (rl/weights/fp8.py).
+    (rl/core/fp8.py).
 
     Durable once this returns: every file is fsynced before COMPLETE is written (so a crash
     cannot leave a marker over weights still in the page cache), then the directory, and after
@@ -315,7 +301,7 @@ def publish_weights(
         if fp8_base is None:
             model.save_pretrained(tmp, state_dict=state_dict)
         else:
-            from rl.weights.fp8 import write_like
+            from rl.core.fp8 import write_like
 
             write_like(fp8_base, inference_state(model, state_dict, checkpoint_layout=True), tmp)
         tokenizer.save_pretrained(tmp)

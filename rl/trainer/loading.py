@@ -6,7 +6,7 @@ Every rank builds the model on the meta device (shapes, no memory) and applies i
 whole tensor this rank keeps. `load_shards` gives each parameter storage on the rank's device
 and fills it from the files: `safe_open(file).get_slice(name)[rows, columns]` reads those bytes
 only (FSDP's and EP's shards are rows, contiguous in the file), converted to the training dtype
-and, for a checkpoint in the FP8 block format, dequantized as they are read (rl/weights/fp8.py).
+and, for a checkpoint in the FP8 block format, dequantized as they are read (rl/core/fp8.py).
 A rank's memory grows by its shards plus the slice in flight, never by a whole model
 (tests/test_sharded_load.py measures it). One process takes the same path, every tensor whole.
 
@@ -35,9 +35,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rl.core import fp8
 from rl.core.lora import is_adapter_name
-from rl.core.model import safetensors_files
-from rl.weights import fp8
+from rl.core.safetensors_files import safetensors_files
 from rl.weights.lora import adapter_tensors, base_tensors
 
 Region = tuple[slice, ...]

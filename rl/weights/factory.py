@@ -15,8 +15,8 @@ from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, Fi
 def make_publisher(cfg: RunConfig, run_dir: Path, log: logging.Logger) -> WeightPublisher:
     """The trainer's publisher for `inference.weight_transport`; versions of a model whose
     base checkpoint is in the FP8 block format are written in it."""
+    from rl.core import fp8  # torch, only where it is used
     from rl.core.model import ensure_checkpoint
-    from rl.weights import fp8  # torch, only where it is used
 
     base = ensure_checkpoint(cfg.model)
     fp8_base = base if fp8.block_size(base) is not None else None

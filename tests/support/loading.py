@@ -74,7 +74,7 @@ def _run_dtype(run_dir: str) -> str:
 
 
 # The FP8 block format as DeepSeek-V3 and GLM-5 publish it, written here independently of
-# rl/weights/fp8.py: the reference arithmetic the loader is checked against.
+# rl/core/fp8.py: the reference arithmetic the loader is checked against.
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 BLOCK = 128
 

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rl.core.model import SAFETENSORS_INDEX, safetensors_files
+from rl.core.safetensors_files import SAFETENSORS_INDEX, safetensors_files
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
