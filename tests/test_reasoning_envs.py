@@ -150,8 +150,10 @@ def test_bad_settings_are_named(env: str, override: str, message: str) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The tiny model's server, allowed the length of a word problem's prompt (its rotary
-    embedding serves sequences past the 128 positions it was built with)."""
-    with embedded_server(tmp_path_factory, "model.inference.max_model_len=1024") as server:
+    embedding serves sequences past the 128 positions it was built with), which the default
+    environment's (reverse_text's) served length would cut."""
+    allowed = ("model.inference.max_model_len=1024", "environment.max_context_tokens=1024")
+    with embedded_server(tmp_path_factory, *allowed) as server:
         yield server
 
 
