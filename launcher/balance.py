@@ -30,6 +30,7 @@ from typing import Any
 
 from launcher.memory import DTYPE_BYTES, InferenceMemory, params, served_bytes
 from rl.core.config import WeightTransport
+from rl.core.derive import weight_transport
 
 TRAIN_MFU = 0.30
 PREFILL_MFU = 0.40
@@ -142,7 +143,7 @@ def sync_seconds(cfg: Any, replicas: int) -> float:
     """Seconds from publishing a version to every server holding it (inference pauses)."""
     size = sync_bytes(cfg)
     c = cfg.cluster
-    if cfg.inference.weight_transport == WeightTransport.broadcast:
+    if weight_transport(cfg) == WeightTransport.broadcast:
         return size / (c.link_gbs * GB * LINK_EFFICIENCY)
     return size * (1 + replicas) / (c.storage_gbs * GB)
 

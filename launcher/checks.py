@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from launcher.errors import PlanError, refuse
 from launcher.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
-from launcher.sizing import disaggregated, disk_need
+from launcher.sizing import disk_need
 from launcher.vllm_args import VLLM_LORA_RANKS
 from rl.core import lora
 from rl.core.config import (
@@ -49,7 +49,7 @@ from rl.core.config import (
     WeightTransport,
     bounded_settings,
 )
-from rl.core.derive import inference_backend, max_model_len
+from rl.core.derive import inference_backend, max_model_len, weight_transport
 from rl.core.disk import free_bytes, size
 from rl.envs import locate as locate_environment
 
@@ -112,13 +112,9 @@ def check_relations(cfg: DictConfig) -> None:
             f"inference.max_batch_size={cfg.inference.max_batch_size} sequences"
         )
     colocated = cfg.placement == Placement.colocated
-    if (
-        colocated
-        and cluster.gpus_per_node
-        and (cfg.inference.weight_transport != WeightTransport.filesystem)
-    ):
+    if colocated and cluster.gpus_per_node and weight_transport(cfg) != WeightTransport.filesystem:
         refuse(
-            f"inference.weight_transport={cfg.inference.weight_transport}",
+            f"inference.weight_transport={weight_transport(cfg)}",
             "placement=colocated on GPU loads each version from weights/ after waking "
             "inference; use inference.weight_transport=filesystem",
         )
@@ -307,7 +303,7 @@ def check_lora(cfg: DictConfig) -> str:
         raise PlanError(
             f"model.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}"
         )
-    if vllm and inf.weight_transport == WeightTransport.broadcast:
+    if vllm and weight_transport(cfg) == WeightTransport.broadcast:
         raise PlanError(
             "inference.weight_transport=broadcast: vLLM loads LoRA adapters from their "
             "directories (each a few MB); use inference.weight_transport=filesystem"
@@ -341,7 +337,7 @@ def check_shared_inference(cfg: DictConfig) -> None:
             f"{key} on one machine's GPUs: not built yet (each point's trainer needs GPUs of "
             f"its own beside the service's); sweep with cluster=slurm, or without it"
         )
-    if cfg.inference.weight_transport != WeightTransport.filesystem:
+    if weight_transport(cfg) != WeightTransport.filesystem:
         raise PlanError(
             f"{key}: each point's adapter reaches the shared inference from its weights/ "
             f"directory; use inference.weight_transport=filesystem"
@@ -354,19 +350,13 @@ def check_shared_inference(cfg: DictConfig) -> None:
 
 def check_weight_transport(cfg: DictConfig) -> None:
     inf = cfg.inference
-    if inf.weight_transport != WeightTransport.broadcast:
+    if weight_transport(cfg) != WeightTransport.broadcast:
         return
     if inf.broadcast_backend == BroadcastBackend.nccl and not cfg.cluster.gpus_per_node:
         refuse(
             "inference.broadcast_backend=nccl",
             f"NCCL needs GPUs and cluster={cfg.cluster.name} has none "
             f"(use gloo, or leave it unset to choose by the cluster)",
-        )
-    if disaggregated(cfg):
-        refuse(
-            "inference.weight_transport=broadcast",
-            f"model={cfg.model.name} serves disaggregated prefill and decode replicas, which "
-            f"load weights from the filesystem only (use weight_transport=filesystem)",
         )
 
 

@@ -28,7 +28,7 @@ from launcher.sizing import (
     replica_memory,
 )
 from rl.core.config import ClusterKind, WeightTransport
-from rl.core.derive import kept_versions, max_model_len
+from rl.core.derive import kept_versions, max_model_len, weight_transport
 
 DEFAULT_SIGNAL_DELAY_S = 120
 """The signal delay where nothing is estimated (a cluster without GPUs)."""
@@ -79,7 +79,7 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
 
 def weight_sync_note(cfg: DictConfig, seconds: float, instances: int) -> str:
     size = sync_bytes(cfg) / 1e9
-    if cfg.inference.weight_transport == WeightTransport.broadcast:
+    if weight_transport(cfg) == WeightTransport.broadcast:
         return (
             f"weight sync: {size:,.0f} GB per version by NCCL broadcast in buckets at "
             f"{cfg.cluster.link_gbs:g} GB/s per GPU link: ~{duration(seconds)}, inference "
@@ -91,11 +91,7 @@ def weight_sync_note(cfg: DictConfig, seconds: float, instances: int) -> str:
         f"{cfg.cluster.storage_gbs:g} GB/s (written once, read by {instances} instance(s)): "
         f"~{duration(seconds)}, inference paused while it loads; {kept} versions on disk "
         f"(~{kept * size / 1000:.1f} TB)"
-        + (
-            "; prefill/decode instances load from the filesystem only"
-            if cfg.model.inference.pd_disaggregation
-            else "; inference.weight_transport=broadcast sends them over the network instead"
-        )
+        + "; inference.weight_transport=broadcast sends them over the network instead"
     )
 
 

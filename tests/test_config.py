@@ -175,7 +175,8 @@ def test_dry_run_glm5_slurm_prints_plan() -> None:
         "rl.trainer.torchrun",
         "--enable-expert-parallel",
         "--quantization fp8",
-        "--nnodes 7",  # the memory model's trainer: 7 nodes with checkpointing and offload
+        "--nnodes 17",  # the balance rule's trainer: 17 nodes with checkpointing
+        "weight sync: 746 GB per version by NCCL broadcast",
         "kv_producer",
     ):
         assert needle in text, needle

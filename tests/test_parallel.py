@@ -95,9 +95,15 @@ def test_one_step_matches_a_single_process(steps: dict[str, Any], layout: str) -
 
 
 def test_kl_reference_on_sharded_ranks(steps: dict[str, Any]) -> None:
-    """With `algorithm.kl_coef > 0` each rank builds the whole reference from the sharded
-    policy (rank 1 used to get an empty state dict and fail)."""
+    """With `algorithm.kl_coef > 0` the reference is a copy of the sharded policy, sharded as
+    it is: each rank holds half of it (it held the whole model on every rank before), and the
+    step equals one process's."""
     want, got = steps["single-kl"], steps["fsdp2-kl"]
+    whole = want["reference_bytes"][0]
+    assert whole == want["bytes"][0]
+    for held in got["reference_bytes"]:
+        assert whole / 2 * 0.95 - 4096 <= held <= whole / 2 * 1.05 + 4096, (held, whole)
+    assert got["reference_reloaded"] and want["reference_reloaded"]  # saved, then read back
     no_kl = steps["single-grpo"]["loss"]
     assert abs(want["loss"] - no_kl) > 1e-3  # the KL term counts
     assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)

@@ -8,6 +8,7 @@ for the module (two vLLM servers, about a minute and a half here).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,7 +18,9 @@ import httpx
 import pytest
 from omegaconf import DictConfig
 
+from rl.core.model import ensure_checkpoint, load_model
 from rl.core.rundir import RunDir
+from rl.weights.broadcast import InferenceBroadcaster
 from tests.support.pd import greedy, long_prompts, pd_replica, same_choices
 from tests.support.vllm import MARKS, trained_checkpoint, vllm_config
 
@@ -27,7 +30,12 @@ INJECTED = re.compile(r"Inject KV cache of (\d+) tokens")
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DictConfig]:
-    with vllm_config(tmp_path_factory, "model.inference.pd_disaggregation=true") as config:
+    # Broadcast: both instances get Relay's worker extension and take either transport.
+    with vllm_config(
+        tmp_path_factory,
+        "model.inference.pd_disaggregation=true",
+        "inference.weight_transport=broadcast",
+    ) as config:
         yield config
 
 
@@ -96,9 +104,39 @@ def test_a_weight_update_reaches_both_before_either_serves_it(
     assert (answer["policy_version"], answer["policy_version_max"]) == (1, 1)
 
 
+def test_a_broadcast_reaches_both_instances_through_the_router_before_either_serves_it(
+    cfg: DictConfig, replica: SimpleNamespace
+) -> None:
+    """Runs after the update from disk (version 1, trained): the trainer's broadcaster sees
+    the router as the replica's one server and sends the base back as version 2, over gloo
+    to both instances' workers."""
+    prompts = long_prompts()
+    trained = greedy(replica.router, prompts)
+    status = replica.router.get("/admin/weights/broadcast").json()
+    assert status["receivers"] == 2 and status["group"] is None and not status["error"]
+    sender = InferenceBroadcaster(replica.run_dir, cfg, logging.getLogger("test"))
+    sender.publish(2, load_model(ensure_checkpoint(cfg.model)))
+    for client in (replica.router, replica.prefill, replica.decode):
+        assert client.get("/admin/version").json() == {"policy_version": 2}
+    status = replica.router.get("/admin/weights/broadcast").json()
+    assert status["policy_version"] == 2 and status["group"] == sender.spec.group
+    assert not any(RunDir(replica.run_dir).kv_files("inference-0").rglob("*.safetensors"))
+    direct = greedy(replica.prefill, prompts)
+    after = greedy(replica.router, prompts)
+    assert [c["token_ids"] for c in after] != [c["token_ids"] for c in trained]
+    same_choices(after, direct)
+    # A second version goes through the same group, the router still gating both.
+    sender.publish(3, load_model(ensure_checkpoint(cfg.model)))
+    assert replica.router.get("/admin/weights/broadcast").json()["group"] == sender.spec.group
+    body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 4, "temperature": 0.0}
+    answer = replica.router.post("/v1/completions", json=body).json()
+    assert (answer["policy_version"], answer["policy_version_max"]) == (3, 3)
+
+
 def test_the_router_refuses_requests_without_the_run_token(replica: SimpleNamespace) -> None:
     url = str(replica.router.base_url)
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
     assert httpx.post(f"{url}/admin/load_weights", json={"version": 9}).status_code == 401
+    assert httpx.get(f"{url}/admin/weights/broadcast").status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200

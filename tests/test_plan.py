@@ -200,10 +200,6 @@ def test_local_fsdp_two_cpu_processes() -> None:
             ["inference.weight_transport=broadcast", "inference.broadcast_backend=nccl"],
             "inference.broadcast_backend=nccl: NCCL needs GPUs and cluster=local has none",
         ),
-        (
-            ["cluster=slurm", "model=glm5", "parallel=ep8", "inference.weight_transport=broadcast"],
-            "inference.weight_transport=broadcast: model=glm5 serves disaggregated prefill",
-        ),
     ],
 )
 def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:

@@ -166,12 +166,16 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
 
 @pytest.mark.parametrize(
     "layout",
-    [(), ("model=tiny_qwen3_moe", "parallel.trainer.ep=2")],
-    ids=["fsdp2", "fsdp2-ep2-moe"],
+    [
+        (),
+        ("model=tiny_qwen3_moe", "parallel.trainer.ep=2", "inference.weight_transport=broadcast"),
+    ],
+    ids=["fsdp2", "fsdp2-ep2-moe-broadcast"],
 )
 def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path, layout: tuple) -> None:
-    """Two trainer ranks through the launcher: FSDP, and expert parallelism on a MoE model
-    (whose published per-expert checkpoints the inference server loads)."""
+    """Two trainer ranks through the launcher: FSDP, whose versions are written block by
+    block (rl/trainer/streaming.py), and expert parallelism on a MoE model whose versions are
+    broadcast as they are gathered, block by block."""
     run_dir = tmp_path / "run"
     overrides = ("max_steps=6", "parallel=fsdp", "parallel.trainer.dp_shard=2", *layout)
     records = run_to_end(run_dir, cache, *overrides, WANDB_MODE="disabled")
@@ -184,7 +188,9 @@ def test_fsdp_on_two_trainer_processes(tmp_path: Path, cache: Path, layout: tupl
             f"trainer-{rank} INFO mesh ParallelDims(dp_replicate=1, dp_shard=2, cp=1, ep={ep}"
             in log
         )
-    assert (run_dir / "weights" / "step_6" / "model.safetensors").exists()
+    assert (run_dir / "weights" / "step_6" / "model-00001.safetensors").exists()
+    if layout:
+        assert all(f"broadcast version {v} over gloo" in log for v in range(7))
     shards = list((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
     assert len(shards) == 2  # one file per rank
     # Each step's numbers describe the whole batch the queue assembled, not rank 0's shard.

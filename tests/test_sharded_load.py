@@ -11,6 +11,7 @@ trainer did before, grows rank 0 by the whole model (about four times its shard 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from rl.core.auth import TOKEN_ENV
 from rl.core.model import (
     empty_model,
     ensure_checkpoint,
@@ -28,9 +30,12 @@ from rl.core.model import (
     load_tokenizer,
     publish_weights,
 )
+from rl.core.rundir import RunDir
 from rl.core.runtime import load_run_config
 from rl.trainer.loading import load_shards
 from rl.trainer.lora import adapter_start
+from rl.trainer.streaming import GatheredBlocks
+from rl.weights.broadcast import InferenceBroadcaster
 from tests.support import dist_workers, loading, parallel
 from tests.support.parallel import prepare
 from tests.support.runs import compose_run
@@ -94,13 +99,38 @@ def loaded(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     fp8_dir, dequantized = tmp / "fp8", tmp / "dequantized"
     loading.write_fp8_checkpoint(source, fp8_dir, dequantized)
     add("fp8-efsdp2xep2", dequantized, *FP8_GLM5, f"model.path={fp8_dir}", *EP)
-    mp.spawn(dist_workers.in_sequence, args=(WORLD, jobs), nprocs=WORLD, join=True)
+    with pytest.MonkeyPatch.context() as env:
+        # The test's tensors are a few MB: glibc would keep their freed pages in its heap and
+        # count them resident (GLM-5's, hundreds of MB, are mapped and unmapped each time).
+        env.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+        mp.spawn(dist_workers.in_sequence, args=(WORLD, jobs), nprocs=WORLD, join=True)
     return {name: torch.load(out) for name, out in outs.items()}
 
 
 @pytest.mark.parametrize("name", [*LOADS, "fp8-efsdp2xep2"])
 def test_sharded_load_equals_the_whole_load(loaded: dict[str, Any], name: str) -> None:
     assert loaded[name]["wrong"] == []
+
+
+@pytest.mark.parametrize("name", [*LOADS, "fp8-efsdp2xep2"])
+def test_a_version_published_block_by_block_equals_the_whole_gathered_one(
+    loaded: dict[str, Any], name: str
+) -> None:
+    """The trainer's publish (every block gathered, converted and written in turn; FP8
+    re-quantized for the FP8 base) writes the same tensors, bit for bit, as the whole gathered
+    state written at once, but a tied LM head: it is the embedding, left out as the
+    checkpoints themselves leave it."""
+    assert loaded[name]["unlike"] == []
+
+
+def test_publishing_grows_rank_0_by_a_block_not_the_model(loaded: dict[str, Any]) -> None:
+    """Before, rank 0 gathered every weight to publish a version: it grew by the whole model
+    (~276 MB here) and then by the file written from it. Block by block it holds one decoder
+    layer (54 MB here), its converted copy and the bytes of the file being written: measured
+    ~170 MB."""
+    measured = loaded["medium-glm5-efsdp2xep2"]
+    whole = sum(held for _, held in measured["measured"])
+    assert measured["published"] < 0.8 * whole, (measured["published"], whole)
 
 
 def test_each_rank_grows_by_its_shard_not_the_model(loaded: dict[str, Any]) -> None:
@@ -112,10 +142,13 @@ def test_each_rank_grows_by_its_shard_not_the_model(loaded: dict[str, Any]) -> N
         assert growth <= held + OVERHEAD, (rank, growth / 1e6, held / 1e6)
 
 
-def test_fp8_versions_are_published_in_the_base_format(cache: Path, tmp_path: Path) -> None:
+def test_fp8_versions_are_published_in_the_base_format(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A version of an FP8 base is re-quantized into the base's format: the same files,
     names, dtypes and shapes, and each weight's values and block scales those of the reference
-    quantizer; loaded again, it dequantizes to what the reference arithmetic gives."""
+    quantizer; broadcast, the same tensors; loaded again, it dequantizes to what the reference
+    arithmetic gives."""
     source = ensure_checkpoint(compose_run(*FP8_GLM5).model)
     fp8_dir, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
     loading.write_fp8_checkpoint(source, fp8_dir, dequantized)
@@ -143,6 +176,31 @@ def test_fp8_versions_are_published_in_the_base_format(cache: Path, tmp_path: Pa
         assert torch.equal(published[key].view(torch.uint8), values.view(torch.uint8)), key
         assert torch.equal(published[f"{key}_scale_inv"], scales), key
     assert len(quantized) > 20
+    # Broadcast to vLLM, the same version travels as the same tensors, bit for bit.
+    cfg = compose_run(*FP8_GLM5, f"model.path={fp8_dir}", "inference.backend=vllm",
+                      "inference.weight_transport=broadcast")  # fmt: skip
+    sent: dict[str, torch.Tensor] = {}
+    monkeypatch.setenv(TOKEN_ENV, "fp8-test")
+    RunDir(tmp_path).write_address("inference-0", "127.0.0.1", 9)  # never called
+    broadcaster = InferenceBroadcaster(tmp_path, cfg, logging.getLogger("test"))
+    monkeypatch.setattr(broadcaster, "update", lambda version, tensors: sent.update(tensors))
+    broadcaster.publish(1, model)
+    # Block by block (a sharded trainer's way): announced from meta shapes, then streamed.
+    streamed: dict[str, torch.Tensor] = {}
+
+    def stream(version: int, update: Any) -> None:
+        specs, values = update
+        for spec, value in zip(specs, values, strict=True):
+            assert (spec.dtype, spec.shape) == (str(value.dtype)[6:], tuple(value.shape))
+            streamed[spec.name] = value
+
+    monkeypatch.setattr(broadcaster, "update", stream)
+    broadcaster.publish(1, model, GatheredBlocks(model, rank=0))
+    for received in (sent, streamed):
+        assert sorted(received) == sorted(published)
+        for key, tensor in published.items():
+            assert received[key].dtype == tensor.dtype, key
+            assert torch.equal(received[key].view(torch.uint8), tensor.view(torch.uint8)), key
     reloaded = empty_model(target, dtype="bfloat16").eval()
     load_shards(reloaded, target, torch.device("cpu"), partial(adapter_start, seed=0))
     again = inference_state(reloaded, checkpoint_layout=True)

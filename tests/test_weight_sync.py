@@ -29,6 +29,7 @@ from rl.weights.sync import (
     WeightReceiver,
     WeightSender,
     buckets,
+    specs_of,
 )
 from tests.support.runs import compose_run
 
@@ -119,7 +120,20 @@ def test_updates_arrive_bit_identical_over_gloo() -> None:
         sender.join(spec, {"a": 1, "b": 1})
         sent = sender.send(5, updates(0))
         sender.send(6, updates(1))
-        sender.send(7, updates(2))
+        # Announced from shapes alone (meta tensors), each tensor made only when its bucket
+        # fills: how a sharded trainer sends a version it gathers block by block.
+        streamed = updates(2)
+        made: list[str] = []
+        meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in streamed.items()}
+
+        def lazily() -> Any:
+            for name, tensor in streamed.items():
+                made.append(name)
+                yield tensor
+
+        values = lazily()
+        sender.send_stream(7, specs_of(meta), values)
+        assert made == list(streamed) and next(values, None) is None
         sender.alter = True
         sender.send(8, updates(3))
         results = [unpickled(out.get(timeout=120)) for _ in procs]

@@ -522,11 +522,13 @@ class InferenceConfig:
     a separate environment); None uses the interpreter running Relay."""
     port: int = bounded(0, ge=0, le=MAX_PORT, text=f"must be 0 (any free) to {MAX_PORT}")
     """Port to listen on; 0 picks a free one and records it in the run directory."""
-    weight_transport: WeightTransport = WeightTransport.filesystem
+    weight_transport: WeightTransport | None = None
     """How new weights reach inference: `filesystem` (the trainer writes `weights/step_N`, the
     orchestrator has every server load it) or `broadcast` (trainer rank 0 sends them to every
     inference worker over a process group of their own, no disk; `weights/step_N` is then
-    written only for version 0, checkpointed versions and the last one)."""
+    written only for version 0, checkpointed versions and the last one). None: broadcast
+    where a Slurm run's trainer and inference have GPUs of their own (no LoRA, no shared
+    inference), the filesystem otherwise (rl/core/derive.py)."""
     broadcast_backend: BroadcastBackend | None = None
     """Process-group backend of `broadcast`: `nccl` (GPUs on both ends) or `gloo`; None: nccl
     where the cluster has GPUs and the trainer sees CUDA, gloo otherwise."""

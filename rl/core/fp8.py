@@ -7,16 +7,18 @@ The trainer reads such a checkpoint slice by slice, each slice dequantized to th
 dtype as it is read (rl/trainer/loading.py): a slice needs only the scales of the blocks it
 touches, and rows or columns that start inside a block take that block's scale.
 
-A version of a model whose base is in this format is published in it too (`write_like`): the
-weights the base quantized are quantized again, each block scaled so that its largest
-magnitude is FP8's largest finite value (448), into the base's files, names, dtypes and
-config, so that a server loads each version as it loads the base.
+A version of a model whose base is in this format is published in it too: the weights the
+base quantized are quantized again, each block scaled so that its largest magnitude is FP8's
+largest finite value (448), into the base's files, names, dtypes and config (`write_like`),
+or, broadcast, as the same tensors under the same names (`quantized_like`), so that a server
+loads each version as it loads the base.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,9 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     over 448 (edge blocks partial)."""
     rows, columns = weight.shape
     grid = (-(-rows // block[0]), -(-columns // block[1]))
+    if weight.is_meta:  # shapes and dtypes only (a broadcast's header)
+        values = torch.empty(rows, columns, dtype=torch.float8_e4m3fn, device="meta")
+        return values, torch.empty(grid, dtype=torch.float32, device="meta")
     padded = weight.new_zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
     padded[:rows, :columns] = weight
     largest = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
@@ -105,10 +110,41 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES.get(name, torch.float8_e4m3fn if name == "F8_E4M3" else torch.float32)
 
 
-def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None:
-    """Write `state` (whole tensors under the checkpoint's names) into `target` in the FP8 base
-    checkpoint's layout: its files, names and dtypes, the weights it quantized quantized
-    again with its block size, its index and its config files."""
+class BaseLayout:
+    """An FP8 base checkpoint's names and dtypes, to put any part of a version in its format
+    (a sharded trainer's version, block by block: `quantized`)."""
+
+    def __init__(self, base: Path) -> None:
+        block = block_size(base)
+        if block is None:
+            raise ValueError(f"{base}: its config.json names no FP8 block format")
+        self.base, self.block = base, block
+        self.dtypes = {k: d for tensors in _layout(base).values() for k, d in tensors.items()}
+
+    def quantized(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (under the checkpoint's names) in the base's dtypes: a weight the base
+        holds in FP8 as its values and block scales (`quantize`), the others cast."""
+        out = {}
+        for key, tensor in tensors.items():
+            if key not in self.dtypes:
+                raise KeyError(f"{self.base}: not the layout of these weights: it holds no {key}")
+            if scale_name(key) in self.dtypes:
+                out[key], out[scale_name(key)] = quantize(tensor, self.block)
+            else:
+                out[key] = tensor.to(self.dtypes[key])
+        return out
+
+    def check_complete(self, names: Iterable[str]) -> None:
+        """Raise unless `names` are every tensor of the base."""
+        absent = sorted(set(self.dtypes) - set(names))
+        if absent:
+            raise KeyError(f"{self.base}: these weights have no {absent[:5]}")
+
+
+def in_layout(base: Path, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, dict]]:
+    """`state` (whole tensors under the checkpoint's names) in the FP8 base checkpoint's
+    layout, file by file: each of its files' name, with its tensors' names and dtypes, the
+    weights it quantized quantized again with its block size."""
     block = block_size(base)
     if block is None:
         raise ValueError(f"{base}: its config.json names no FP8 block format")
@@ -121,7 +157,6 @@ def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None
             f"{base}: not the layout of these weights: it holds no {missing[:5]}, and they have "
             f"no {absent[:5]}"
         )
-    target.mkdir(parents=True, exist_ok=True)
     pending: dict[str, torch.Tensor] = {}  # scales whose weight was written, or values
     for file, tensors in layout.items():
         out = {}
@@ -140,7 +175,21 @@ def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None
                     pending[scale_name(weight)] = out.pop(scale_name(weight))
             else:
                 out[key] = state[key].to(dtype).contiguous()
-        save_file(out, target / file, metadata={"format": "pt"})
+        yield file, out
+
+
+def quantized_like(base: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` as the FP8 base holds its weights (`in_layout`), every file's tensors in one
+    dict: what a weight broadcast sends a server that loads the base."""
+    return {k: v for _, tensors in in_layout(base, state) for k, v in tensors.items()}
+
+
+def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None:
+    """Write `state` into `target` in the FP8 base checkpoint's layout (`in_layout`): its
+    files, names and dtypes, its index and its config files."""
+    target.mkdir(parents=True, exist_ok=True)
+    for file, tensors in in_layout(base, state):
+        save_file(tensors, target / file, metadata={"format": "pt"})
     for extra in (SAFETENSORS_INDEX, "config.json", "generation_config.json"):
         if (base / extra).is_file():
             shutil.copyfile(base / extra, target / extra)

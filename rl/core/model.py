@@ -23,6 +23,7 @@ from typing import Any
 from rl.core.config import ModelConfig
 from rl.core.disk import writing
 from rl.core.rundir import fsync_path, is_complete, mark_complete, write_checksums
+from rl.core.safetensors_files import SAFETENSORS_INDEX
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.ascii_lowercase + string.digits + " .,:;!?'-\n"
@@ -295,7 +296,7 @@ def publish_weights(
     """
     _quiet_transformers()
     if state_dict is not None:
-        state_dict = {_hf_name(k): v for k, v in state_dict.items()}
+        state_dict = {hf_name(k): v for k, v in state_dict.items()}
 
     def write(tmp: Path) -> None:
         if fp8_base is None:
@@ -326,9 +327,82 @@ def publish_dir(target: Path, write: Callable[[Path], None]) -> None:
         fsync_path(target.parent)
 
 
-def _hf_name(key: str) -> str:
+def hf_name(key: str) -> str:
     """A parameter's HF name, without the activation-checkpointing wrapper's part."""
     return key.replace("._checkpoint_wrapped_module", "")
+
+
+def served_layout(model: Any, tensors: dict[str, Any], checkpoint_layout: bool) -> dict[str, Any]:
+    """`tensors` (HF names of the module's own layout, meta tensors included) in the layout a
+    server loads: as they are, or with `checkpoint_layout` as `save_pretrained` writes them
+    (MoE experts one tensor each, for example). Converts any part of the model that holds
+    whole blocks (a decoder layer's tensors together)."""
+    if not checkpoint_layout:
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
+
+
+WEIGHTS_FILE_BYTES = 4 << 30
+"""A version published block by block closes a safetensors file once it holds this much (a
+larger block fills a file of its own)."""
+
+
+def publish_blocks(
+    model: Any, tokenizer: Any, target: Path, source: Any, fp8_base: Path | None = None
+) -> None:
+    """`publish_weights` for a sharded model given block by block (`source`, a BlockSource:
+    rl/trainer/streaming.py), so that no rank holds the whole model: each block converted to
+    the checkpoint layout (and, with `fp8_base`, to its FP8 block format) and added to the
+    current safetensors file (`model-00001.safetensors`, ...), which is written once it holds
+    `WEIGHTS_FILE_BYTES`; then the index, the config and the tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rl.core import fp8
+
+    _quiet_transformers()
+    base = fp8.BaseLayout(fp8_base) if fp8_base is not None else None
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        pending: dict[str, torch.Tensor] = {}
+        total = 0
+
+        def flush() -> None:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(pending, tmp / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, name))
+            pending.clear()
+
+        for block in source.blocks():
+            tensors = served_layout(model, block, checkpoint_layout=True)
+            if base is not None:
+                tensors = base.quantized(tensors)
+            for key, tensor in tensors.items():
+                pending[key] = tensor.contiguous()
+                total += tensor.numel() * tensor.element_size()
+            if sum(t.numel() * t.element_size() for t in pending.values()) >= WEIGHTS_FILE_BYTES:
+                flush()
+        if pending:
+            flush()
+        if base is not None:
+            base.check_complete(weight_map)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        if fp8_base is not None:
+            for extra in ("config.json", "generation_config.json"):
+                if (fp8_base / extra).is_file():
+                    shutil.copyfile(fp8_base / extra, tmp / extra)
+        else:
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    publish_dir(target, write)
 
 
 def inference_state(
@@ -346,9 +420,5 @@ def inference_state(
         if tensor.numel() and storage in seen:
             continue
         seen.add(storage)
-        out[_hf_name(key)] = tensor
-    if checkpoint_layout:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        out = revert_weight_conversion(model, out)
-    return out
+        out[hf_name(key)] = tensor
+    return served_layout(model, out, checkpoint_layout)

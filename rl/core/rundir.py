@@ -15,7 +15,7 @@ reads; what the processes keep for each other lives in `.relay/`:
                            COMPLETE written last)
     weights/BROADCAST      the newest version every server confirmed (broadcast transport)
     weights/BROADCAST_NEXT the update the trainer is sending: version and weight group
-    checkpoints/step_N/    DCP checkpoints (COMPLETE last); checkpoints/reference.pt
+    checkpoints/step_N/    DCP checkpoints (COMPLETE last); checkpoints/reference/
     wandb/                 the run's wandb run (logged live by the launcher)
     slurm/<job>/           Slurm runs: each job's submitit folder and supervisor log
     .relay/                the internals:
@@ -526,8 +526,8 @@ class RunDir:
 
     @property
     def reference(self) -> Path:
-        """The KL reference's weights (the policy RL started from)."""
-        return self.checkpoints / "reference.pt"
+        """The KL reference's weights (the policy RL started from): a DCP checkpoint."""
+        return self.checkpoints / "reference"
 
     @property
     def control(self) -> Path:

@@ -13,7 +13,10 @@ hand the KV cache over through a KV connector. This router serves Relay's infere
   prompt by prompt (the hand-over is per request) and the answers merged;
 - a streamed request streams decode's answer;
 - a weight update reaches both instances before either serves it: new requests wait while
-  the requests in flight finish, both instances load, and both must report the same version;
+  the requests in flight finish, both instances load, and both must report the same version.
+  That holds for both transports: a version loaded from `weights/step_N`, and one broadcast
+  by the trainer (the router answers rl/weights/routes.py's routes as one server whose
+  receivers are both instances' workers, and passes the update on to both);
 - /health answers 200 only while both instances do;
 - a request whose client goes away is cancelled here, and so on the instances (which abort it).
 """
@@ -24,7 +27,9 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,9 @@ from rl.core.runtime import (
     write_address,
 )
 from rl.inference.openai_api import unless_gone
+from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S
+from rl.weights.routes import add_routes
+from rl.weights.sync import WeightGroupSpec
 
 # What prefill is asked to keep for a decode elsewhere (vLLM's P/D proxy protocol; connectors
 # that find the KV by prompt, such as ExampleConnector, answer None and need nothing back).
@@ -61,6 +69,7 @@ PREFILL_HANDOVER = {
     "remote_port": None,
 }
 REQUEST_TIMEOUT_S = 600.0
+PARTS = ("prefill", "decode")
 
 
 class RouteError(Exception):
@@ -127,13 +136,16 @@ class Router:
         # The file connector's KV, found by prompt alone: computed by older weights once a
         # new version loads, so it is dropped with every update.
         self.kv_files = kv_files
-        self.names = {part: f"inference-{replica}-{part}" for part in ("prefill", "decode")}
+        self.names = {part: f"inference-{replica}-{part}" for part in PARTS}
         # Each call goes on with the key of its route's scope (rl/core/auth.py).
         self.http = httpx.AsyncClient(
             auth=ScopedAuth(as_keys(keys)), timeout=httpx.Timeout(REQUEST_TIMEOUT_S)
         )
         self.gate = Gate()
         self.urls: dict[str, str] = {}
+        # The broadcast status both instances last reported (rl/weights/routes.py reads it).
+        self.version = 0
+        self.weight_group: str | None = None
 
     def url(self, part: str) -> str:
         """An instance's address, read from the run directory once and again after it was
@@ -213,9 +225,7 @@ class Router:
 
     async def both(self, method: str, route: str, **kwargs: Any) -> list[Any]:
         return list(
-            await asyncio.gather(
-                *(self.call(part, method, route, **kwargs) for part in ("prefill", "decode"))
-            )
+            await asyncio.gather(*(self.call(part, method, route, **kwargs) for part in PARTS))
         )
 
     async def load_weights(self, body: Any) -> dict[str, Any]:
@@ -233,7 +243,55 @@ class Router:
         self.logger.info("both instances hold version %d", decode["policy_version"])
         return {"policy_version": decode["policy_version"], "load_s": load_s}
 
-    async def version(self, model: str) -> dict[str, Any]:
+    async def weight_receivers(self) -> int:
+        """Both instances' receivers (0 when either has none); records the version and weight
+        group they share (none when they differ: a restarted instance needs a fresh group)."""
+        answers = await self.both("GET", BROADCAST_ROUTE)
+        self.version = min(a["policy_version"] for a in answers)
+        groups = {a["group"] for a in answers}
+        self.weight_group = groups.pop() if len(groups) == 1 else None
+        answered = zip(PARTS, answers, strict=True)
+        broken = [f"{self.names[p]}: {a['error']}" for p, a in answered if a["error"]]
+        if broken:
+            raise RuntimeError("; ".join(broken))
+        counts = [int(a["receivers"]) for a in answers]
+        return sum(counts) if all(counts) else 0
+
+    async def receive_broadcast(self, spec: WeightGroupSpec, member: str, version: int) -> None:
+        """Pass the trainer's update on to both instances once the requests in flight end; new
+        requests wait until both serve `version`. The instances' receivers count in under
+        this router's name, the one server the trainer sees."""
+        body = {"version": version, "member": member, "group": asdict(spec)}
+        async with self.gate.update():
+            await self.both("POST", BROADCAST_ROUTE, json=body)
+            deadline = time.monotonic() + spec.timeout_s
+            for part in PARTS:
+                while True:
+                    wait = max(min(deadline - time.monotonic(), MAX_STATUS_WAIT_S), 0.0)
+                    status = await self.call(part, "GET", BROADCAST_ROUTE, params={"wait": wait})
+                    if status["error"]:
+                        raise RuntimeError(f"{self.names[part]}: {status['error']}")
+                    if not status["busy"]:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{self.names[part]} did not take version {version} within "
+                            f"{spec.timeout_s:g} s"
+                        )
+            if self.kv_files is not None:
+                await asyncio.to_thread(shutil.rmtree, self.kv_files, True)
+            versions = [
+                (await self.call(part, "GET", BROADCAST_ROUTE))["policy_version"] for part in PARTS
+            ]
+        if versions != [version, version]:
+            raise RuntimeError(
+                f"prefill holds version {versions[0]} and decode {versions[1]} after the "
+                f"broadcast of version {version}"
+            )
+        self.version, self.weight_group = version, spec.group
+        self.logger.info("both instances hold version %d (broadcast)", version)
+
+    async def policy_version(self, model: str) -> dict[str, Any]:
         answers = await self.both("GET", "/admin/version", params={"model": model})
         return {"policy_version": min(a["policy_version"] for a in answers)}
 
@@ -282,11 +340,13 @@ def build_app(router: Router, keys: Any) -> FastAPI:
 
     @app.get("/admin/version", dependencies=guard)
     async def version(model: str = "") -> dict:
-        return await router.version(model)
+        return await router.policy_version(model)
 
     @app.post("/admin/load_weights", dependencies=guard)
     async def load_weights(request: Request) -> dict:
         return await router.load_weights(await request.json())
+
+    add_routes(app, authorized, router, router.logger, router.run_dir)
 
     @app.post("/admin/sleep", dependencies=guard)
     async def sleep() -> dict:

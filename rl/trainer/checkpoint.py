@@ -92,3 +92,15 @@ def load_checkpoint(model: Any, optimizer: Any, source: Path, trainable_only: bo
         options=options,
     )
     return int(state["step"])
+
+
+def save_model_state(model: Any, target: Path) -> None:
+    """A model's weights alone with DCP, each rank writing its shards (a collective)."""
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=target)
+
+
+def load_model_state(model: Any, source: Path) -> None:
+    """Weights `save_model_state` wrote, into the model as it is sharded now (a collective)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=source)
+    set_model_state_dict(model, state["model"])

@@ -198,18 +198,24 @@ def load_shards(
     matrices, which no checkpoint holds, from `start(name, shape)`."""
     files = SafetensorsFiles(checkpoint)
     sources = checkpoint_sources(model, files)
-    tied = _shared_parameters(model)
-    model.to_empty(device="cpu" if offload else device)
-    for places in tied:  # to_empty gives every module a new tensor of its own
-        first = getattr(*places[0])
-        for module, leaf in places[1:]:
-            setattr(module, leaf, first)
+    materialize(model, device, offload)
     with torch.no_grad():
         for names, param in _names_of_each_parameter(model):
             local = param.to_local() if isinstance(param, DTensor) else param
             region = local_region(param)
             local.copy_(_read(names, param, region, files, sources, start))
         _fill_buffers(model, files, sources, device)
+
+
+def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
+    """Give the meta-device `model`'s parameters and buffers storage (uninitialized) on
+    `device` (the host with FSDP's CPU offload), a tied weight still one tensor."""
+    tied = _shared_parameters(model)
+    model.to_empty(device="cpu" if offload else device)
+    for places in tied:  # to_empty gives every module a new tensor of its own
+        first = getattr(*places[0])
+        for module, leaf in places[1:]:
+            setattr(module, leaf, first)
 
 
 def _read(

@@ -32,7 +32,7 @@ from rl.core.disk import DiskFull, check_room, free_bytes, writing
 from rl.core.kinds import is_train
 from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import targets as lora_targets
-from rl.core.model import empty_model, ensure_checkpoint, load_model, load_tokenizer
+from rl.core.model import empty_model, ensure_checkpoint, load_tokenizer
 from rl.core.records import BatchShard, RunLimits, Sample, TrainRecord, WarmupRecord
 from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.core.runtime import (
@@ -44,13 +44,26 @@ from rl.core.runtime import (
 )
 from rl.envs import make_environment
 from rl.trainer.batches import IDLE, micro_batch, sft_batch, token_logprobs
-from rl.trainer.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from rl.trainer.loading import load_shards
+from rl.trainer.checkpoint import (
+    full_state_dict,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+    save_model_state,
+)
+from rl.trainer.loading import load_shards, materialize
 from rl.trainer.lora import adapter_start, nbytes, train_only, wrap
 from rl.trainer.losses import LOSSES, loss_stats, reduce
 from rl.trainer.metrics import SUMMED_STATS, env_metrics, memory_metrics, step_metrics
 from rl.trainer.packing import packed_logprobs
-from rl.trainer.parallel import clip_grad_norm, local_parameter_bytes, parallelize, rank_device
+from rl.trainer.parallel import (
+    clip_grad_norm,
+    local_parameter_bytes,
+    local_tensor,
+    parallelize,
+    rank_device,
+)
+from rl.trainer.streaming import GatheredBlocks
 from rl.weights.factory import make_publisher
 
 
@@ -306,9 +319,20 @@ class Trainer:
 
     def publish(self, version: int) -> None:
         """Policy `version` for inference, through the configured weight transport
-        (rl/weights/). Under FSDP the shards are gathered first (every rank takes part, when
-        rank 0 says there is anything to publish); rank 0 publishes."""
+        (rl/weights/); rank 0 publishes. Under FSDP the weights are gathered block by block as
+        rank 0 writes or sends them (rl/trainer/streaming.py: every rank takes part, when rank
+        0 says there is anything to publish), a LoRA run's adapter in one gather."""
         if not self.on_rank_0(self.weights.wanted(version)):
+            return
+        if self.dims.sharded and not lora_enabled(self.cfg.model):
+            blocks = GatheredBlocks(self.model, self.rank)
+            if self.rank != 0:
+                blocks.follow()
+                return
+            try:
+                self.weights.publish(version, self.model, self.tokenizer, blocks)
+            finally:
+                blocks.done()
             return
         # Gathered under FSDP (a collective); one process publishes its own module directly.
         state = full_state_dict(self.model) if self.dims.sharded else None
@@ -349,12 +373,21 @@ class Trainer:
                     return self.logprobs(self.model, mb)[0]
             return self.logprobs(self.reference, mb)[0]
 
-    def make_reference(self, state: dict[str, Any] | None = None) -> Any:
-        """The KL reference: an unsharded, frozen copy of the policy (or of `state`)."""
-        reference = load_model(self.base, dtype=self.cfg.model.dtype, device=self.device)
-        reference.load_state_dict(
-            state if state is not None else full_state_dict(self.model, every_rank=True)
-        )
+    def make_reference(self) -> Any:
+        """The KL reference: a frozen copy of the policy as it is now, built and sharded as the
+        policy is (the same mesh), each rank copying its own shards: nothing is gathered, and
+        no rank holds the whole model."""
+        reference = empty_model(self.base, dtype=self.cfg.model.dtype)
+        offload = self.cfg.trainer.cpu_offload and self.dims.sharded
+        parallelize(reference, self.dims, self.cfg.trainer, self.device, self.layout.mesh)
+        materialize(reference, self.device, offload)
+        with torch.no_grad():
+            pairs = [
+                *zip(reference.parameters(), self.model.parameters(), strict=True),
+                *zip(reference.buffers(), self.model.buffers(), strict=True),
+            ]
+            for mine, policy in pairs:
+                local_tensor(mine).copy_(local_tensor(policy))
         return reference.eval().requires_grad_(False)
 
     def resume(self) -> int:
@@ -368,12 +401,14 @@ class Trainer:
             return 0
         step = load_checkpoint(self.model, self.optimizer, path, lora_enabled(self.cfg.model))
         reference = self.run_dir.reference
-        if (
-            self.cfg.algorithm.kl_coef > 0
-            and reference.exists()
-            and not lora_enabled(self.cfg.model)
-        ):
-            self.reference = self.make_reference(torch.load(reference))
+        if self.cfg.algorithm.kl_coef > 0 and not lora_enabled(self.cfg.model):
+            if not is_complete(reference):
+                raise RuntimeError(
+                    f"{reference}: no KL reference saved whole (algorithm.kl_coef="
+                    f"{self.cfg.algorithm.kl_coef}), so this run cannot resume with its KL term"
+                )
+            self.reference = self.make_reference()
+            load_model_state(self.reference, reference)
         if self.rank == 0:
             # Steps after the checkpoint are trained again from the same batches: their first
             # records go, so every step is recorded once.
@@ -394,19 +429,19 @@ class Trainer:
             # The KL reference is the policy RL starts from: the weights after warm-up (with
             # LoRA: the same model with its adapter off, no copy).
             self.reference = self.make_reference()
-            if self.rank == 0:
-                self.save_reference()
+            self.save_reference()
         self.publish(0)
         return 0
 
     def save_reference(self) -> None:
-        """The KL reference's weights, for a resume (written through a Python file, whose
-        OSError torch.save keeps as the cause of its own: a full disk is then recognised)."""
+        """The KL reference's weights, for a resume: each rank writes its shards (DCP), rank 0
+        the COMPLETE marker last."""
         path = self.run_dir.reference
         with writing(path, partial=path):
-            self.run_dir.checkpoints.mkdir(exist_ok=True)
-            with open(path, "wb") as f:
-                torch.save(self.reference.state_dict(), f)
+            save_model_state(self.reference, path)
+        dist.barrier()
+        if self.rank == 0:
+            mark_complete(path)
 
     def on_rank_0(self, flag: bool) -> bool:
         """Rank 0's value of `flag` on every rank, so that all ranks take the same branch into

@@ -139,6 +139,11 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, dims: ParallelDims) 
     return float(norm)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds (its shards only)."""
     total = 0
@@ -156,10 +161,17 @@ class Layout:
     dp_rank: int = 0
     dp_world: int = 1
     cp: ContextParallel | None = None
+    mesh: DeviceMesh | None = None
+    """The device mesh (None for one process): a second model (the KL reference) is
+    parallelized over the same groups."""
 
 
 def parallelize(
-    model: Any, dims: ParallelDims, trainer: TrainerConfig, device: torch.device
+    model: Any,
+    dims: ParallelDims,
+    trainer: TrainerConfig,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
 ) -> Layout:
     """Apply the trainer's parallelism to `model` (built on the meta device: the weights are
     read into its shards afterwards), in this order:
@@ -169,8 +181,10 @@ def parallelize(
     3. expert parallelism: each MoE layer's experts split over `ep` (rl/trainer/expert_parallel.py);
     4. FSDP2: the experts over the ranks that share them, then every block, then the root.
 
-    One process applies only what needs no mesh (activation checkpointing)."""
-    mesh = build_mesh(dims, device.type) if dims.sharded else None
+    One process applies only what needs no mesh (activation checkpointing). `mesh`: the one
+    another model of the trainer was parallelized over (else a new one)."""
+    if mesh is None and dims.sharded:
+        mesh = build_mesh(dims, device.type)
     cp = None
     if mesh is not None and dims.cp > 1:
         cp = ContextParallel(mesh["cp"])
@@ -181,7 +195,7 @@ def parallelize(
         return Layout(dp_world=dims.dp)
     experts = apply_expert_parallel(model, mesh["ep"]) if dims.ep > 1 else []
     apply_fsdp(model, mesh, dims, experts, cpu_offload=trainer.cpu_offload)
-    return Layout(data_parallel_rank(mesh), dims.dp, cp)
+    return Layout(data_parallel_rank(mesh), dims.dp, cp, mesh)
 
 
 def rank_device(cfg: RunConfig) -> torch.device:

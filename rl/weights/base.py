@@ -11,6 +11,7 @@ branch on the transport:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 # The inference servers' broadcast routes (rl/weights/routes.py), and the longest a status
@@ -34,9 +35,23 @@ class WeightPublisher(ABC):
 
     @abstractmethod
     def publish(
-        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | None
+        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | BlockSource | None
     ) -> None:
-        """Publish `model`'s weights (or its gathered `state`) as `version`."""
+        """Publish `model`'s weights (or its gathered `state`, or its blocks) as `version`."""
+
+
+class BlockSource(ABC):
+    """A sharded model's whole weights, block by block (rl/trainer/streaming.py): what the
+    trainer hands a publisher in place of a gathered state dict, so that no rank holds the
+    whole model. Names are the HF names of the module's own layout."""
+
+    @abstractmethod
+    def meta(self) -> Iterator[dict[str, Any]]:
+        """Each block's tensors as meta tensors (names, shapes, dtypes; nothing gathered)."""
+
+    @abstractmethod
+    def blocks(self) -> Iterator[dict[str, Any]]:
+        """Each block's tensors, whole, on the host (rank 0's walk; the others take part)."""
 
 
 class VersionWaiter(ABC):

@@ -13,27 +13,35 @@ Trainer rank 0 drives every update (`InferenceBroadcaster.update`):
    version allows it, as it waits for `weights/step_N` with the filesystem transport.
 Every wait is bounded by `inference.broadcast_timeout_s`. vLLM is sent the tensors in the
 layout `save_pretrained` writes (its loader's input: MoE experts one tensor each), the embedded
-engine the module's own. The servers' end is rl/weights/routes.py.
+engine the module's own. The servers' end is rl/weights/routes.py. A model served from a base
+in the FP8 block format gets each version re-quantized into it (rl/core/fp8.py), as the
+filesystem transport writes it. A sharded trainer's version is announced from its shapes, then
+gathered block by block as the buckets fill (rl/trainer/streaming.py): no rank holds it whole.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rl.core import fp8
 from rl.core.config import RunConfig
 from rl.core.derive import broadcast_backend, inference_backend
-from rl.core.model import inference_state
+from rl.core.model import ensure_checkpoint, inference_state, served_layout
 from rl.core.rundir import RunDir
 from rl.core.runtime import Peer, inference_names, run_auth, server_host
 from rl.weights import lora
-from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S, WeightPublisher
-from rl.weights.sync import WeightGroupSpec, WeightSender
+from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S, BlockSource, WeightPublisher
+from rl.weights.sync import TensorSpec, WeightGroupSpec, WeightSender, specs_of
+
+Streamed = tuple[list[TensorSpec], Iterator[Any]]
+"""An update announced before it is gathered: every tensor's spec, then the tensors in order."""
 
 
 class InferenceBroadcaster:
@@ -49,17 +57,37 @@ class InferenceBroadcaster:
         self.spec: WeightGroupSpec | None = None
         # vLLM loads checkpoint-format tensors; the embedded engine holds the module's layout.
         self.checkpoint_layout = inference_backend(cfg) == "vllm"
+        # A base in the FP8 block format: vLLM serves it quantized, so each version is sent
+        # quantized again into that format (rl/core/fp8.py), under the base's names.
+        base = ensure_checkpoint(cfg.model)
+        self.fp8_base = base if self.checkpoint_layout and fp8.block_size(base) else None
+        self.fp8_layout = fp8.BaseLayout(base) if self.fp8_base else None
 
-    def publish(self, version: int, model: Any, state: dict[str, Any] | None = None) -> None:
-        """Send `model`'s weights (or its gathered `state`) as `version`, in the layout the
-        servers load."""
+    def publish(
+        self, version: int, model: Any, state: dict[str, Any] | BlockSource | None = None
+    ) -> None:
+        """Send `model`'s weights (or its gathered `state`, or its blocks) as `version`, in
+        the layout the servers load."""
+        if isinstance(state, BlockSource):  # gathered block by block as the buckets fill
+            specs = [s for block in state.meta() for s in specs_of(self._served(model, block))]
+            values = (t for block in state.blocks() for t in self._served(model, block).values())
+            self.update(version, (specs, values))
+            return
         if lora.is_wrapped(model):  # the base for version 0, then only the adapter
             self.update(version, lora.published_tensors(version, model, state))
             return
-        self.update(version, inference_state(model, state, self.checkpoint_layout))
+        tensors = inference_state(model, state, self.checkpoint_layout)
+        if self.fp8_base is not None:
+            tensors = fp8.quantized_like(self.fp8_base, tensors)
+        self.update(version, tensors)
 
-    def update(self, version: int, tensors: dict[str, Any]) -> None:
-        """Send `tensors` as `version` to every server and wait until each serves it."""
+    def _served(self, model: Any, block: dict[str, Any]) -> dict[str, Any]:
+        tensors = served_layout(model, block, self.checkpoint_layout)
+        return self.fp8_layout.quantized(tensors) if self.fp8_layout else tensors
+
+    def update(self, version: int, tensors: dict[str, Any] | Streamed) -> None:
+        """Send `tensors` (or the announced tensors, streamed) as `version` to every server
+        and wait until each serves it."""
         t0 = time.monotonic()
         statuses = self._statuses()
         fresh = self.spec is None or any(s["group"] != self.spec.group for s in statuses.values())
@@ -82,7 +110,10 @@ class InferenceBroadcaster:
         try:
             if fresh:
                 self.sender.join(self.spec, counts)
-            sent = self.sender.send(version, tensors)
+            if isinstance(tensors, dict):
+                sent = self.sender.send(version, tensors)
+            else:
+                sent = self.sender.send_stream(version, *tensors)
         except Exception:
             self.spec = None  # the next update starts over with a fresh group
             raise
@@ -156,7 +187,7 @@ class BroadcastPublisher(WeightPublisher):
         return version in (0, self.cfg.max_steps) or bool(every and version % every == 0)
 
     def publish(
-        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | None
+        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | BlockSource | None
     ) -> None:
         if self.exported(version):
             self.disk.publish(version, model, tokenizer, state)

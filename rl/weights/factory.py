@@ -1,4 +1,5 @@
-"""The weight transport's two ends for a run, chosen by `inference.weight_transport`."""
+"""The weight transport's two ends for a run, chosen by `inference.weight_transport`
+(rl/core/derive.py's `weight_transport`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.core.config import RunConfig, WeightTransport
-from rl.core.derive import exact_schedule, kept_versions
+from rl.core.derive import exact_schedule, kept_versions, weight_transport
 from rl.weights.base import VersionWaiter, WeightPublisher
 from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, FilesystemWaiter
 
@@ -21,7 +22,7 @@ def make_publisher(cfg: RunConfig, run_dir: Path, log: logging.Logger) -> Weight
     base = ensure_checkpoint(cfg.model)
     fp8_base = base if fp8.block_size(base) is not None else None
     disk = FilesystemPublisher(run_dir, kept_versions(cfg), fp8_base)
-    if cfg.inference.weight_transport != WeightTransport.broadcast:
+    if weight_transport(cfg) != WeightTransport.broadcast:
         return disk
     from rl.weights.broadcast import BroadcastPublisher  # torch, only where it is used
 
@@ -33,6 +34,6 @@ def make_waiter(
 ) -> VersionWaiter:
     """The orchestrator's waiter for `inference.weight_transport`; `inference` loads weights
     into every server (`load_weights(path, version)`)."""
-    if cfg.inference.weight_transport == WeightTransport.broadcast:
+    if weight_transport(cfg) == WeightTransport.broadcast:
         return BroadcastRecordWaiter(run_dir, cfg.timeouts.weights_s)
     return FilesystemWaiter(run_dir, inference, log, cfg.timeouts.weights_s, exact_schedule(cfg))

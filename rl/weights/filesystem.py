@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rl.core.model import publish_weights
+from rl.core.model import publish_blocks, publish_weights
 from rl.core.rundir import BROADCAST, RunDir, is_complete
 from rl.weights import lora
-from rl.weights.base import RefusedVersion, VersionWaiter, WeightPublisher
+from rl.weights.base import BlockSource, RefusedVersion, VersionWaiter, WeightPublisher
 
 POLL_S = 0.01  # how often inference looks for a new version while it waits for one
 
@@ -35,15 +35,17 @@ class FilesystemPublisher(WeightPublisher):
         return not is_complete(self.run_dir.weights_for(version))
 
     def publish(
-        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | None
+        self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | BlockSource | None
     ) -> None:
         if not self.wanted(version):
             return
         self.run_dir.weights.mkdir(parents=True, exist_ok=True)
-        if lora.is_wrapped(model):
+        target = self.run_dir.weights_for(version)
+        if isinstance(state, BlockSource):
+            publish_blocks(model, tokenizer, target, state, fp8_base=self.fp8_base)
+        elif lora.is_wrapped(model):
             lora.publish(version, model, tokenizer, state, self.run_dir)
         else:
-            target = self.run_dir.weights_for(version)
             publish_weights(model, tokenizer, target, state_dict=state, fp8_base=self.fp8_base)
         self.run_dir.prune_versions(self.keep)
 

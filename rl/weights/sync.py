@@ -209,10 +209,14 @@ class WeightSender(_Member):
 
     def send(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
         """Broadcast one update (header, then bucket by bucket); returns the bytes sent."""
-        specs = [
-            TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-            for name, t in tensors.items()
-        ]
+        return self.send_stream(version, specs_of(tensors), iter(tensors.values()))
+
+    def send_stream(
+        self, version: int, specs: list[TensorSpec], values: Iterator[torch.Tensor]
+    ) -> int:
+        """Broadcast one update whose tensors `specs` announces, taking each from `values` only
+        as its bucket is filled (a sharded trainer gathers them block by block); a value that
+        is not what its spec says fails the update before its bucket is sent."""
         header = {
             "version": version,
             "bucket_bytes": self.bucket_bytes,
@@ -221,17 +225,17 @@ class WeightSender(_Member):
         encoded = json.dumps(header).encode()
         self.broadcast(torch.tensor([len(encoded)], dtype=torch.int64, device=self.device))
         self.broadcast(torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device))
-        values = list(tensors.values())
         index, total = 0, 0
         digest = hashlib.sha256()
         for size, offsets in buckets(specs, self.bucket_bytes):
-            alone = values[index]
+            taken = [_matching(specs[index + k], next(values, None)) for k in range(len(offsets))]
+            alone = taken[0]
             if len(offsets) == 1 and alone.is_contiguous() and alone.device == self.device:
                 flat = _as_bytes(alone)  # no copy
             else:
                 flat = self.empty(size)
-                for k, offset in enumerate(offsets):
-                    raw = _as_bytes(values[index + k])
+                for tensor, offset in zip(taken, offsets, strict=True):
+                    raw = _as_bytes(tensor)
                     flat[offset : offset + raw.numel()].copy_(raw)
             self.broadcast(flat)
             _hash(digest, flat)
@@ -240,6 +244,26 @@ class WeightSender(_Member):
         trailer = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
         self.broadcast(trailer.to(self.device))
         return total
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    """What a header announces of each tensor: name, dtype, shape (meta tensors too)."""
+    return [
+        TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        for name, t in tensors.items()
+    ]
+
+
+def _matching(spec: TensorSpec, tensor: torch.Tensor | None) -> torch.Tensor:
+    if tensor is None:
+        raise ValueError(f"weight update: no tensor came for {spec.name}, which it announced")
+    got = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+    if got != (spec.dtype, spec.shape):
+        raise ValueError(
+            f"weight update: {spec.name} came as {got[0]} {list(got[1])}, announced as "
+            f"{spec.dtype} {list(spec.shape)}"
+        )
+    return tensor
 
 
 class WeightReceiver(_Member):

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from rl.core.records import Sample
-from rl.trainer import loop as trainer_module
 from rl.trainer import parallel
-from rl.trainer.checkpoint import full_state_dict
+from rl.trainer.checkpoint import full_state_dict, load_model_state
 from rl.trainer.loop import Trainer
+from rl.trainer.parallel import local_tensor
 
 
 def synthetic_samples(count: int, seed: int) -> list[Sample]:
@@ -49,19 +50,20 @@ def _trainer(rank: int, world: int, init_file: str, run_dir: str) -> Trainer:
 
 @contextlib.contextmanager
 def counting_reads() -> Iterator[list[str]]:
-    """The checkpoints this process reads whole while the block runs."""
+    """The checkpoints this process reads whole (transformers' `from_pretrained`, which
+    `load_model` calls) while the block runs."""
     reads: list[str] = []
-    real = trainer_module.load_model
+    real = AutoModelForCausalLM.from_pretrained
 
     def counted(path: Any, *args: Any, **kwargs: Any) -> Any:
         reads.append(str(path))
         return real(path, *args, **kwargs)
 
-    trainer_module.load_model = counted
+    AutoModelForCausalLM.from_pretrained = counted
     try:
         yield reads
     finally:
-        trainer_module.load_model = real
+        AutoModelForCausalLM.from_pretrained = real
 
 
 def _mine(samples: list[dict[str, Any]], trainer: Trainer) -> list[dict[str, Any]]:
@@ -84,11 +86,20 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
         trainer = _trainer(rank, world, init_file, run_dir)
     mine = _mine(synthetic_samples(8, seed=0), trainer)
     if trainer.cfg.algorithm.kl_coef > 0:
-        # Every rank's whole reference, moved off the policy so that the KL term is not zero.
+        # The reference, moved off the policy so that the KL term is not zero.
         trainer.reference = trainer.make_reference()
         with torch.no_grad():
             for p in trainer.reference.parameters():
                 p.mul_(0.5)
+        # Saved for a resume (each rank its shards) and read back into a fresh copy.
+        trainer.save_reference()
+        again = trainer.make_reference()
+        with torch.no_grad():
+            for p in again.parameters():
+                p.zero_()
+        load_model_state(again, trainer.run_dir.reference)
+        pairs = zip(again.parameters(), trainer.reference.parameters(), strict=True)
+        reloaded = all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in pairs)
     kept = [0]  # elements of the tensors autograd keeps for the backward pass
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,8 +115,13 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
     dist.all_gather_object(sizes, parallel.local_parameter_bytes(trainer.model))
     read_counts = [None] * world
     dist.all_gather_object(read_counts, len(reads))
+    references = [None] * world
+    held = trainer.reference and parallel.local_parameter_bytes(trainer.reference)
+    dist.all_gather_object(references, held)
     if rank == 0:
         saved = {"loss": loss.item(), "grad_norm": stats["grad_norm"], "grads": grads}
+        saved["reference_bytes"] = references
+        saved["reference_reloaded"] = trainer.reference is not None and reloaded
         saved["device"] = trainer.device.type
         torch.save({**saved, "bytes": sizes, "kept": kept[0], "reads": read_counts}, out)
     dist.destroy_process_group()

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
-from rl.core.model import empty_model, load_model
+from rl.core import fp8
+from rl.core import model as model_module
+from rl.core.model import empty_model, load_model, publish_weights
+from rl.core.safetensors_files import safetensors_files
 from rl.trainer.checkpoint import full_state_dict
 from rl.trainer.loop import Trainer
 from rl.trainer.parallel import local_parameter_bytes
@@ -50,8 +54,24 @@ def build_and_compare(
     held += sum(b.numel() * b.element_size() for b in trainer.model.buffers())
     measured = [None] * world
     dist.all_gather_object(measured, (growth, held))
+    # Publishing gathers block by block (rl/trainer/streaming.py); files of 16 MB here, so
+    # that rank 0's growth tells a block from the whole model.
+    model_module.WEIGHTS_FILE_BYTES = 16 << 20
+    before = reset_peak_rss()
+    trainer.publish(1)
+    published = peak_rss() - before
     state = full_state_dict(trainer.model)
     if rank == 0:
+        # The same version as the whole gathered state writes it, tensor for tensor.
+        whole = Path(out).with_suffix(".whole")
+        base = fp8.block_size(trainer.base) and trainer.base
+        publish_weights(trainer.model, trainer.tokenizer, whole, state_dict=state, fp8_base=base)
+        streamed, gathered = _tensors(trainer.run_dir.weights_for(1)), _tensors(whole)
+        if trainer.model.config.tie_word_embeddings:  # a tied LM head is the embedding
+            for name in trainer.model._tied_weights_keys or {}:
+                gathered.pop(name, None)
+        unlike = sorted(set(streamed) ^ set(gathered))
+        unlike += [k for k, v in gathered.items() if k in streamed and not _bits(streamed[k], v)]
         want = load_model(reference, dtype=cfg_dtype)
         wrong = sorted(set(state) ^ set(want.state_dict()))
         wrong += [k for k, v in want.state_dict().items() if k in state and not _same(state[k], v)]
@@ -59,8 +79,21 @@ def build_and_compare(
         for name, buffer in trainer.model.named_buffers():
             if not _same(buffer.cpu(), buffers[name.replace("._checkpoint_wrapped_module", "")]):
                 wrong.append(name)
-        torch.save({"measured": measured, "wrong": wrong}, out)
+        torch.save(
+            {"measured": measured, "wrong": wrong, "published": published, "unlike": unlike}, out
+        )
     dist.destroy_process_group()
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in safetensors_files(folder):
+        out.update(load_file(folder / file))
+    return out
+
+
+def _bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
