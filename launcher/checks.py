@@ -10,7 +10,8 @@ key and the fix (launcher/plan.py calls `check_run` first):
 - a model whose weights are not built or shipped here needs `model.path` (there is no model
   hub): refused before a run starts; the plan (and so a dry run) says so in a note;
 - a cluster without GPUs runs only models whose training state and weights fit the node's host
-  memory, none served in FP8 (vLLM's CPU build has no FP8 kernels), and no trainer on CUDA;
+  memory, no trainer on CUDA, and FP8 served only by vLLM (its CPU build serves FP8 block
+  checkpoints; the embedded engine serves the training dtype);
 - what this machine cannot do (`check_this_machine`, for a dry run too): wandb online without
   an API key; on cluster=local, GPUs that nvidia-smi does not find, a vLLM backend whose python
   cannot import vLLM;
@@ -178,7 +179,7 @@ def check_model_fit(cfg: DictConfig) -> None:
 
 
 def check_cpu_fit(cfg: DictConfig) -> None:
-    """On a cluster without GPUs: the model must fit the node's memory, and not be FP8."""
+    """On a cluster without GPUs: the model must fit the node's memory, and FP8 is vLLM's."""
     cluster, model = cfg.cluster, cfg.model
     if cluster.gpus_per_node:
         return
@@ -189,11 +190,12 @@ def check_cpu_fit(cfg: DictConfig) -> None:
             + "); use trainer.device=auto (the GPUs where there are, else the CPU) or cpu"
         )
     quantization = model.inference.quantization
-    if quantization == "fp8":
+    if quantization == "fp8" and inference_backend(cfg) == Backend.embedded:
         raise PlanError(
-            f"model={model.name}: it is served in FP8, which needs GPUs, and cluster="
-            f"{cluster.name} has none (cluster.gpus_per_node=0); use a GPU cluster "
-            f"(cluster=slurm) or a model that runs on CPU (tiny, smollm2_135m, qwen3_0_6b)"
+            f"model={model.name}: it is served in FP8, which the embedded engine (the backend "
+            f"on CPU) does not serve; use inference.backend=vllm (its CPU build serves FP8 "
+            f"block checkpoints), a GPU cluster (cluster=slurm), or a model that runs on CPU "
+            f"(tiny, smollm2_135m, qwen3_0_6b)"
         )
     weights = DTYPE_BYTES.get(str(quantization or model.dtype), 4)
     state = TRAINER_STATE_COPIES * DTYPE_BYTES.get(str(model.dtype), 4)

@@ -37,12 +37,7 @@ from rl.core.derive import (
     trainer_dims,
 )
 
-# Shared placement's estimate (shared_split): fp32 weights, gradients and two AdamW moments
-# per parameter (bf16 weights only with CPU offload), and activation bytes per token, layer
-# and hidden unit without checkpointing (bf16, the usual 34 of a transformer block with
-# fused attention).
-TRAIN_BYTES_PER_PARAM = 16
-ACTIVATION_BYTES_PER_HIDDEN = 34
+ONE_PROCESS = {"world": 1, "dp_replicate": 1}  # a trainer mesh of one rank
 
 
 HOST_FRACTION = 0.8
@@ -370,27 +365,25 @@ def shared_split(cfg: DictConfig) -> Split:
 
     - inference: the served weights, a KV cache for the step's sequences (at least one of
       the served length; prompts counted as long as completions) and a CUDA context;
-    - trainer: `TRAIN_BYTES_PER_PARAM` per parameter (fp32 weights, gradients, two AdamW
-      moments; bf16 weights only with CPU offload), activations for
-      `trainer.micro_batch_tokens` (per token and layer `ACTIVATION_BYTES_PER_HIDDEN` bytes per
-      hidden unit, 2 with activation checkpointing, plus bf16 and fp32 logits over the
-      vocabulary) and a CUDA context."""
+    - trainer: one process's memory as launcher/memory.py counts it (weights, gradients and
+      AdamW's moments in the training dtype, activations for `trainer.micro_batch_tokens`
+      with or without activation checkpointing, the logits) and a CUDA context. One process
+      offloads nothing: `trainer.cpu_offload` is FSDP's."""
     model, env, trainer = cfg.model, cfg.environment, cfg.trainer
     serve = model.inference
     kv_bytes = 1 if serve.kv_cache_dtype.startswith("fp8") else serve_bytes_per_param(cfg)
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_bytes
     sequences = min(env.prompts_per_step * env.group_size, cfg.inference.max_batch_size)
     kv_tokens = max(max_model_len(cfg), sequences * 2 * env.max_tokens)
-    state_bytes = 2 if trainer.cpu_offload else TRAIN_BYTES_PER_PARAM
-    per_hidden = 2 if trainer.activation_checkpointing else ACTIVATION_BYTES_PER_HIDDEN
-    act_per_token = model.num_layers * model.hidden_size * per_hidden + model.vocab_size * 6
+    checkpointing = bool(trainer.activation_checkpointing)
+    terms = trainer_memory(cfg, ONE_PROCESS, checkpointing, offload=False).terms
     return Split(
         gpu=cfg.cluster.gpu_memory_gb,
         weights=model.total_params_b * 1e9 * serve_bytes_per_param(cfg) / GIB,
         kv_cache=kv_tokens * per_token / GIB,
-        trainer_state=model.total_params_b * 1e9 * state_bytes / GIB,
-        activations=trainer.micro_batch_tokens * act_per_token / GIB,
-        checkpointing=bool(trainer.activation_checkpointing),
+        trainer_state=terms["parameters"] + terms["gradients"] + terms["optimizer"],
+        activations=terms["activations"] + terms["logits"],
+        checkpointing=checkpointing,
     )
 
 
@@ -440,7 +433,8 @@ def check_shared_gpu(cfg: DictConfig) -> str | None:
         f"and trainer ({split.trainer:.1f} GB: state {split.trainer_state:.1f}, activations "
         f"{split.activations:.1f}), {need:.1f} GB in all; to fit: "
         f"trainer.activation_checkpointing=true, a smaller trainer.micro_batch_tokens, a "
-        f"shorter model.inference.max_model_len, trainer.cpu_offload=true, or a GPU each",
+        f"shorter model.inference.max_model_len, or a GPU each (one process offloads nothing: "
+        f"trainer.cpu_offload is FSDP's)",
     )
 
 

@@ -90,7 +90,12 @@ def vllm_args(
         args += ["--pipeline-parallel-size", str(replica_nodes)]
     if inf.expert_parallel:
         args.append("--enable-expert-parallel")
-    args += ["--dtype", "float32" if found == 0 else model.dtype]
+    # On CPU vLLM computes in float32, as the embedded engine does; FP8 weights it dequantizes
+    # to bf16 or fp16 only.
+    dtype = model.dtype if found else "float32"
+    if serve.quantization == "fp8" and dtype == "float32":
+        dtype = "bfloat16"
+    args += ["--dtype", dtype]
     args += ["--max-model-len", str(max_model_len(cfg))]
     if found:
         share = shared_split(cfg).utilization if shared_gpu(cfg) else serve.gpu_memory_utilization

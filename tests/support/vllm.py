@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,10 +92,14 @@ def vllm_server(cfg: DictConfig, run_dir: Path) -> Iterator[SimpleNamespace]:
     write_run_dir(run_dir, cfg, TOKEN)
     proc = start_role("inference", run_dir, "--replica", "0", "--", *vllm_args(cfg, 1, None))
     try:
-        try:
-            url = wait_for_address(run_dir, "inference-0", timeout=600)
-        except TimeoutError:
-            pytest.fail((run_dir / "inference.log").read_text()[-3000:])
+        deadline = time.monotonic() + 600
+        while True:  # until it serves, or its role ends (no use waiting on)
+            try:
+                url = wait_for_address(run_dir, "inference-0", timeout=5)
+                break
+            except TimeoutError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail((run_dir / "inference.log").read_text()[-3000:])
         with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=300) as client:
             yield SimpleNamespace(client=client, run_dir=run_dir, proc=proc)
     finally:
