@@ -190,13 +190,6 @@ def check_cpu_fit(cfg: DictConfig) -> None:
             + "); use trainer.device=auto (the GPUs where there are, else the CPU) or cpu"
         )
     quantization = model.inference.quantization
-    if quantization == "fp8" and inference_backend(cfg) == Backend.embedded:
-        raise PlanError(
-            f"model={model.name}: it is served in FP8, which the embedded engine (the backend "
-            f"on CPU) does not serve; use inference.backend=vllm (its CPU build serves FP8 "
-            f"block checkpoints), a GPU cluster (cluster=slurm), or a model that runs on CPU "
-            f"(tiny, smollm2_135m, qwen3_0_6b)"
-        )
     weights = DTYPE_BYTES.get(str(quantization or model.dtype), 4)
     state = TRAINER_STATE_COPIES * DTYPE_BYTES.get(str(model.dtype), 4)
     need_gb = params(model).trained / 1e9 * (state + weights)
@@ -205,6 +198,13 @@ def check_cpu_fit(cfg: DictConfig) -> None:
             f"model={model.name}: its training state and served weights take ~{need_gb:.0f} GB "
             f"and cluster={cluster.name} has no GPUs and {cluster.mem_gb_per_node} GB of memory "
             f"per node; use a GPU cluster (cluster=slurm) or a smaller model"
+        )
+    if quantization == "fp8" and inference_backend(cfg) == Backend.embedded:
+        raise PlanError(
+            f"model={model.name}: it is served in FP8, which the embedded engine (the backend "
+            f"on CPU) does not serve; use inference.backend=vllm (its CPU build serves FP8 "
+            f"block checkpoints), a GPU cluster (cluster=slurm), or a model that runs on CPU "
+            f"(tiny, smollm2_135m, qwen3_0_6b)"
         )
 
 
