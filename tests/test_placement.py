@@ -186,14 +186,17 @@ def test_gpu_check_skips_without_a_gpu_and_runs_its_steps_with_one(
     bare = subprocess.run([script, tmp_path / "bare"], env=env, capture_output=True, text=True)
     assert bare.returncode == 0 and bare.stdout.strip() == "no GPU: skipped"
     fake_nvidia_smi("nvidia-smi-rtx4090.csv")
+    figures = "--model tiny --tokens 32 --batch 4 --prompt 8 --new 4 --steps 1 --no-compile"
     quick = {**os.environ, "GPU_CHECK_STEPS": "4", "GPU_CHECK_RUN_S": "600",
-             "GPU_CHECK_RUNS": "gpu cpu"}  # fmt: skip
+             "GPU_CHECK_RUNS": "gpu cpu", "GPU_CHECK_FIGURES": figures}  # fmt: skip
     out = subprocess.run([script, tmp_path / "out"], env=quick, capture_output=True, text=True)
     log = (tmp_path / "out" / "gpu-check.log").read_text()
     assert out.returncode == 0, log[-3000:]
     saved = (tmp_path / "out" / "nvidia-smi.csv").read_text()
     assert saved == (FIXTURES / "nvidia-smi-rtx4090.csv").read_text()
     assert "== gpu tests" in log and "skipped" in log
+    report = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
+    assert report["device"] == "cpu" and report["decode"]["tokens_per_s"] > 0
     rates = [x for x in log.splitlines() if x.split()[:1] in (["gpu"], ["cpu"], ["lora-gpu"])]
     assert [x.split()[0] for x in rates] == ["gpu", "cpu"], log[-3000:]
     assert all(" samples/s " in x for x in rates), log[-3000:]

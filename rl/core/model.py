@@ -87,7 +87,9 @@ def _moe_config(model_cfg: ModelConfig) -> dict[str, Any]:
     )
 
 
-def _hf_config(model_cfg: ModelConfig, tokenizer: Any) -> Any:
+def hf_config(model_cfg: ModelConfig, tokenizer: Any) -> Any:
+    """The transformers config of a model of `model_cfg`'s shape, with `tokenizer`'s special
+    ids (what a model built here, `source: random`, is made from)."""
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
@@ -182,7 +184,7 @@ def _build_random(model_cfg: ModelConfig, seed: int, out: Path) -> None:
 
     tokenizer = build_char_tokenizer(model_cfg.vocab_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_hf_config(model_cfg, tokenizer))
+    model = AutoModelForCausalLM.from_config(hf_config(model_cfg, tokenizer))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
