@@ -97,7 +97,10 @@ class GatheredBlocks(BlockSource):
 
     def _gather(self, group: list[tuple[str, torch.Tensor]], keep: bool) -> dict[str, torch.Tensor]:
         out = {}
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         for name, tensor in group:
+            if isinstance(tensor, DTensor) and nccl and tensor.device.type == "cpu":
+                tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # offloaded
             whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if keep:
                 out[name] = whole.detach().to("cpu", copy=whole.device.type != "cpu")
