@@ -12,11 +12,13 @@ hand the KV cache over through a KV connector. This router serves Relay's infere
   ids, logprobs and policy versions as from one server. A request of several prompts is routed
   prompt by prompt (the hand-over is per request) and the answers merged;
 - a streamed request streams decode's answer;
-- a weight update reaches both instances before either serves it: new requests wait while
-  the requests in flight finish, both instances load, and both must report the same version.
-  That holds for both transports: a version loaded from `weights/step_N`, and one broadcast
-  by the trainer (the router answers rl/weights/routes.py's routes as one server whose
-  receivers are both instances' workers, and passes the update on to both);
+- a weight update reaches both instances before either serves a new request: new requests
+  wait while both instances load, and both must report the same version. A version loaded
+  from `weights/step_N` waits for the requests in flight to finish first; one broadcast by
+  the trainer (the router answers rl/weights/routes.py's routes as one server whose receivers
+  are both instances' workers, and passes the update on to both) lets them go on through it,
+  as one server does, so that a long generation cannot hold the trainer's weight group past
+  its timeout;
 - /health answers 200 only while both instances do;
 - a request whose client goes away is cancelled here, and so on the instances (which abort it).
 """
@@ -108,11 +110,14 @@ class Gate:
             await self.leave()
 
     @contextlib.asynccontextmanager
-    async def update(self) -> AsyncIterator[None]:
+    async def update(self, drain: bool = True) -> AsyncIterator[None]:
+        """Closed to new requests while the block runs; with `drain`, once those in flight
+        have ended (else they go on through the update, as on one server)."""
         async with self.changed:
             await self.changed.wait_for(lambda: not self.updating)
             self.updating = True
-            await self.changed.wait_for(lambda: self.inflight == 0)
+            if drain:
+                await self.changed.wait_for(lambda: self.inflight == 0)
         try:
             yield
         finally:
@@ -258,11 +263,13 @@ class Router:
         return sum(counts) if all(counts) else 0
 
     async def receive_broadcast(self, spec: WeightGroupSpec, member: str, version: int) -> None:
-        """Pass the trainer's update on to both instances once the requests in flight end; new
-        requests wait until both serve `version`. The instances' receivers count in under
-        this router's name, the one server the trainer sees."""
+        """Pass the trainer's update on to both instances at once; new requests wait until
+        both serve `version`, while those in flight go on through it, each instance pausing
+        them as one server does (a long generation does not hold the trainer's group past its
+        timeout). The instances' receivers count in under this router's name, the one server
+        the trainer sees."""
         body = {"version": version, "member": member, "group": asdict(spec)}
-        async with self.gate.update():
+        async with self.gate.update(drain=False):
             await self.both("POST", BROADCAST_ROUTE, json=body)
             deadline = time.monotonic() + spec.timeout_s
             for part in PARTS:
