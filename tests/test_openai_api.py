@@ -87,7 +87,8 @@ def test_the_docs_client_example_runs_as_written(
     code = code.replace('Path("outputs/reverse_text-tiny/...")', f"Path({str(served)!r})")
     exec(compile(code, "docs/agents.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "tiny" and len(printed) == 2, printed
+    # The model's name, then its sampled answer (which may hold line breaks of its own).
+    assert printed[0] == "tiny" and len(printed) >= 2, printed
 
 
 def test_chat_warm_up_rows_are_what_the_chat_route_sends() -> None:
