@@ -179,9 +179,12 @@ def in_layout(base: Path, state: dict[str, torch.Tensor]) -> Iterator[tuple[str,
 
 
 def quantized_like(base: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` as the FP8 base holds its weights (`in_layout`), every file's tensors in one
+    """`state` as the FP8 base holds its weights (`BaseLayout`), every file's tensors in one
     dict: what a weight broadcast sends a server that loads the base."""
-    return {k: v for _, tensors in in_layout(base, state) for k, v in tensors.items()}
+    layout = BaseLayout(base)
+    quantized = layout.quantized(state)
+    layout.check_complete(quantized)
+    return quantized
 
 
 def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None:
