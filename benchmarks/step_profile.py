@@ -61,11 +61,13 @@ def run_profile(run_dir: Path) -> None:
     if all("samples/generated" in r for r in rollouts):  # counted by the orchestrator
         generated = sum(r["samples/generated"] for r in rollouts)
         surplus = group * sum(r["filter/surplus_groups"] for r in rollouts)
+        carried = group * sum(r.get("filter/carried_groups", 0) for r in rollouts)
     else:  # older runs: the zero-advantage groups were the only ones not trained on
-        generated, surplus = trained + group * filtered, 0
+        generated, surplus, carried = trained + group * filtered, 0, 0
     print(
-        f"  samples trained {trained}, generated {generated} ({group * filtered} in "
-        f"zero-advantage groups, {surplus} in surplus groups)"
+        f"  samples trained {trained}, generated {generated} ({generated / trained:.3f} per "
+        f"trained; {group * filtered} in zero-advantage groups, {surplus} in surplus groups, "
+        f"{carried} of them trained by the next batch)"
     )
     if evals:
         last = max(evals, key=lambda r: r["step"])

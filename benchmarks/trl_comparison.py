@@ -16,9 +16,13 @@ warm-up (`warmup.*`, as in rl/trainer/loop.py) is run once here and saved; Relay
   is taken out of TRL's clock.
 
 Both are scored by one function (greedy held-out exact match over the environment's eval
-prompts, decoded as Relay's embedded engine decodes) at the same trained-sample counts. The
-clock of each is the RL loop's: Relay from its trainer's first step (less the version-0 eval
-its server runs meanwhile), TRL from `train()`'s start, eval time excluded.
+prompts, decoded as Relay's embedded engine decodes) at the same trained-sample counts. Two
+clocks, scoring time excluded from both:
+- the RL loop's: Relay from its trainer's first step (less the version-0 eval its server runs
+  meanwhile), TRL from `train()`'s start;
+- the user's: from the command (`rl`; TRL's worker script) to the same points, start-up
+  included: the RL clock plus each run's start-up (Relay: the command to its trainer's first
+  step; TRL: the command to `train()`'s start, less the benchmark's scoring of the start).
 
 Fairness under noise: the seeds run interleaved (A B, then B A, ...), each run in a process of
 its own; for each run the script records its CPU time and the CPU time the rest of the machine
@@ -111,6 +115,10 @@ class Run:
     """(trained samples, RL seconds, held-out exact match), from version 0."""
     generated: int = 0
     wall_s: float = 0.0
+    started: float = 0.0
+    """Wall clock (time.time()) when its command was started."""
+    startup_s: float = 0.0
+    """Seconds from the command to the RL clock's start (the user's clock less the RL's)."""
     cpu_s: float = 0.0
     other_cores: float = 0.0
     """Mean cores of other work on the machine while this run ran."""
@@ -128,6 +136,16 @@ class Run:
     def time_to(self, target: float) -> float | None:
         """RL seconds at the first scored point at or above target (None: never reached)."""
         return next((t for _, t, score in self.curve if score >= target - 1e-9), None)
+
+    def user_time_to(self, target: float) -> float | None:
+        """The same on the user's clock: from the command, start-up included."""
+        seconds = self.time_to(target)
+        return None if seconds is None else self.startup_s + seconds
+
+    @property
+    def user_s(self) -> float:
+        """The user's clock at the last scored point: start-up and every step."""
+        return self.startup_s + self.rl_s
 
     def score_at_time(self, seconds: float) -> float:
         """The score of the newest point scored by `seconds` of RL."""
@@ -149,6 +167,7 @@ def children_cpu_s() -> float:
 def measured(run: Run, cmd: list[str], env: dict[str, str]) -> None:
     """Run cmd to completion, filling in run's wall, CPU and other-load figures."""
     busy0, cpu0, t0 = machine_busy_s(), children_cpu_s(), time.perf_counter()
+    run.started = time.time()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     run.wall_s = time.perf_counter() - t0
     run.cpu_s = children_cpu_s() - cpu0
@@ -175,6 +194,7 @@ def run_relay(
     eval0 = next(r for r in records if is_eval(r) and r["step"] == 0)["time/eval"]
     # The eval at version 0 runs on the inference server while the first step waits for it.
     begin = train[0]["timestamp"] - train[0]["time/step"]
+    run.startup_s = begin - run.started
     clock = {r["step"]: r["timestamp"] - begin - eval0 for r in train}
     trained = {0: 0}
     for r in train:
@@ -232,6 +252,7 @@ def trl_worker(spec_path: Path) -> None:
     class HeldOut(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             clock["start"] = time.perf_counter()
+            clock["start_wall"] = time.time()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             step = state.global_step
@@ -296,8 +317,10 @@ def trl_worker(spec_path: Path) -> None:
         trainer._generate_and_score_completions, "generate"
     )
     trainer.training_step = timed(trainer.training_step, "step")
+    t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         before = exact_match(model, tokenizer, env, env_cfg.max_tokens)
+    clock["scoring the start"] = time.perf_counter() - t0
     trainer.train()
     rl_s = curve[-1][1]
     Path(spec["result"]).write_text(
@@ -305,6 +328,8 @@ def trl_worker(spec_path: Path) -> None:
             {
                 "curve": [(0, 0.0, before), *curve],
                 "generated": scored[0],
+                "train_start": clock["start_wall"],
+                "scoring_start_s": clock["scoring the start"],
                 "profile": {
                     "generate and score": clock["generate"],
                     "forward, backward": clock["step"] - clock["generate"],
@@ -334,6 +359,7 @@ def run_trl(start: Path, run: Run, tmp: Path, every: int, overrides: list[str]) 
     measured(run, cmd, {**os.environ, **threads})
     data = json.loads(result.read_text())
     run.curve = [tuple(point) for point in data["curve"]]
+    run.startup_s = data["train_start"] - run.started - data["scoring_start_s"]
     run.generated = data["generated"]
     run.profile = {**data["profile"], "start-up and end (not RL)": run.wall_s - run.rl_s}
     return run
@@ -358,11 +384,12 @@ def report(runs: list[Run], labels: list[str], targets: list[float], max_other: 
     fmt_t = lambda t: "-" if t is None else f"{t:.1f}"  # noqa: E731
     names = [f">= {t:.3f}" for t in targets]
     print_table(
-        ["system", "seed", "other cores", "CPU s", "wall s", "RL s", "trained", "generated",
-         "exact end", *[f"s to {n}" for n in names]],
+        ["system", "seed", "other cores", "CPU s", "wall s", "start-up s", "RL s", "trained",
+         "generated", "exact end", *[f"s to {n}" for n in names]],
         [
             [r.label, str(r.seed), f"{r.other_cores:.2f}", f"{r.cpu_s:.0f}", f"{r.wall_s:.1f}",
-             f"{r.rl_s:.1f}", str(r.curve[-1][0]), str(r.generated), f"{r.final:.3f}",
+             f"{r.startup_s:.1f}", f"{r.rl_s:.1f}", str(r.curve[-1][0]), str(r.generated),
+             f"{r.final:.3f}",
              *[fmt_t(r.time_to(t)) for t in targets]]
             for r in runs
         ],
@@ -380,7 +407,8 @@ def report(runs: list[Run], labels: list[str], targets: list[float], max_other: 
     for label, rs in by.items():
         times = [[r.time_to(t) for r in rs] for t in targets]
         rows.append(
-            [label, str(len(rs)), mean_sd([r.rl_s for r in rs]),
+            [label, str(len(rs)), mean_sd([r.startup_s for r in rs]),
+             mean_sd([r.rl_s for r in rs]),
              mean_sd([r.final for r in rs], "{:.3f}"),
              mean_sd([r.score_at_time(horizon) for r in rs], "{:.3f}"),
              *[f"{mean_sd([t for t in ts if t is not None])} ({sum(t is not None for t in ts)}"
@@ -391,6 +419,7 @@ def report(runs: list[Run], labels: list[str], targets: list[float], max_other: 
         [
             "system",
             "seeds",
+            "start-up s",
             "RL s",
             "exact at equal samples",
             "exact at equal time",
@@ -419,12 +448,23 @@ def report(runs: list[Run], labels: list[str], targets: list[float], max_other: 
         print(f"ratio {label}/{base}: " + ", ".join(parts))
         final = statistics.mean(r.final for r in by[base])
         reach = [r.time_to(final) for r in by[label]]
-        if None not in reach:
+        if None in reach:
+            print(
+                f"  {label}: {reach.count(None)} of {len(reach)} seeds never reached {base}'s "
+                f"mean final score {final:.3f}"
+            )
+        else:
             whole = statistics.mean(r.rl_s for r in by[base])
             print(
                 f"  {label} reached {base}'s mean final score {final:.3f} in "
                 f"{statistics.mean(reach):.1f} s, {base} took {whole:.1f} s for all its steps: "
                 f"ratio {statistics.mean(reach) / whole:.2f}"
+            )
+            user = statistics.mean(r.user_time_to(final) or 0.0 for r in by[label])
+            whole = statistics.mean(r.user_s for r in by[base])
+            print(
+                f"  on the user's clock (from the command, start-up included): {label} "
+                f"{user:.1f} s, {base} {whole:.1f} s for all its steps: ratio {user / whole:.2f}"
             )
     print()
     phases = sorted({k for rs in by.values() for r in rs for k in r.profile}, key=str)

@@ -461,11 +461,15 @@ class RolloutRecord:
     """Wall clock (time.time()) when generating the batch began, after the weights it waited
     for were loaded."""
     generated: int = 0
-    """Completions generated for the batch in all its rounds: those trained on, those of groups
-    dropped for having no signal, and those of surplus groups."""
+    """Completions generated for the batch in all its rounds: those trained on (but for the
+    carried groups, generated for the batch before), those of groups dropped for having no
+    signal, and those of surplus groups."""
     surplus_groups: int = 0
     """Groups with signal drawn beyond the batch (the first round draws for the groups it
-    expects to drop) and not trained on."""
+    expects to drop): carried into the next batch with `algorithm.carry_surplus`, else not
+    trained on."""
+    carried_groups: int = 0
+    """Groups of the batch that the batch before drew beyond its own (generated for it)."""
     first_round_signal: float | None = None
     """Share of the first round's groups that had signal (with the zero-advantage filter): how
     much the next batches draw; a restarted orchestrator reads it back."""
@@ -483,6 +487,7 @@ class RolloutRecord:
             "response/truncated": self.truncated / max(len(self.lengths), 1),
             "samples/generated": self.generated,
             "filter/surplus_groups": self.surplus_groups,
+            "filter/carried_groups": self.carried_groups,
             **(
                 {"filter/first_round_signal": self.first_round_signal}
                 if self.first_round_signal is not None

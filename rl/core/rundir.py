@@ -29,6 +29,7 @@ reads; what the processes keep for each other lives in `.relay/`:
         heartbeats/<name>.<pid>  each role process's heartbeat
         queue.sqlite       the rollout queue's store (and its -wal file)
         queue.marks.json   the store's high-water marks, to detect a store that lost commits
+        carried/after_N.json  the groups with signal batch N drew beyond its own, for batch N + 1
         control/           the supervisor's checkpoint request and the trainer's answer
         kv/, replicas/     prefill/decode hand-over files; nodes of a spanning vLLM replica
         jobs.json, failure.json, complete, done/<role>, ended/   Slurm runs
@@ -433,6 +434,10 @@ class RunDir:
     @property
     def queue_marks(self) -> Path:
         return self.internal / "queue.marks.json"
+
+    def carried(self, batch: int) -> Path:
+        """The groups batch `batch` drew beyond its own, carried into the next batch."""
+        return self.internal / "carried" / f"after_{batch}.json"
 
     # --- weights ---------------------------------------------------------------------------
 

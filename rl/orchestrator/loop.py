@@ -8,11 +8,14 @@ evaluates held-out prompts at version 0 (after warm-up), every `eval_every` vers
 the final version.
 
 Groups without signal (every advantage zero) are dropped and replaced by new prompts, for at
-most `MAX_FILL_ROUNDS` rounds; the first round draws for the groups it expects to drop.
+most `MAX_FILL_ROUNDS` rounds; the first round draws for the groups it expects to drop. Groups
+with signal that a batch drew beyond its own open the next batch (`algorithm.carry_surplus`),
+within the staleness bound: what is generated is trained on, but for the dropped groups.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -22,12 +25,12 @@ from pathlib import Path
 import httpx
 
 from rl.core import wire
-from rl.core.config import Placement
+from rl.core.config import Placement, RunConfig
 from rl.core.derive import exact_schedule, generating_version, max_model_len
 from rl.core.kinds import is_eval, is_rollout
 from rl.core.model import ensure_checkpoint, load_tokenizer
 from rl.core.records import Episode, EvalRecord, Group
-from rl.core.rundir import RunDir, drop_records, point_name, shared_service
+from rl.core.rundir import RunDir, drop_records, point_name, shared_service, write_atomic
 from rl.core.runtime import (
     Peer,
     inference_names,
@@ -52,19 +55,31 @@ SIGNAL_SHARE_DECAY = 0.8  # weight of the past in the running share of groups wi
 
 @dataclass
 class Fill:
-    """A batch as its rounds fill it: the groups kept (with their prompts and episodes), and
-    what else was generated."""
+    """A batch as its rounds fill it: the groups an earlier batch carried into it, the groups
+    its own rounds kept (with their prompts and episodes), and what else was generated."""
 
+    carried: list[Group] = field(default_factory=list)
+    """Groups with signal an earlier batch drew beyond its own: the batch's first groups."""
     kept: list[tuple[Example, list[Episode], Group]] = field(default_factory=list)
     filtered: int = 0
     """Groups dropped for having no signal (or no episode that reached the model)."""
-    surplus: int = 0
-    """Groups with signal drawn beyond the batch."""
+    surplus: list[Group] = field(default_factory=list)
+    """Groups with signal drawn beyond the batch (carried into the next one)."""
     generated: int = 0
     """Episodes generated in all rounds."""
     versions: set[int] = field(default_factory=set)
     first_round_signal: float | None = None
     """Share of the first round's groups with signal (with the zero-advantage filter)."""
+
+    @property
+    def groups(self) -> list[Group]:
+        return self.carried + [group for _, _, group in self.kept]
+
+
+def carries_surplus(cfg: RunConfig) -> bool:
+    """Whether a batch's surplus groups open the next one: a version staler than its own, so
+    not where the run is on-policy (async_level 0)."""
+    return cfg.algorithm.carry_surplus and cfg.algorithm.async_level > 0
 
 
 def last_eval(run_dir: RunDir) -> int:
@@ -107,6 +122,7 @@ class Orchestrator:
             self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
         self.max_len = max_model_len(cfg)
         self.signal_share: float | None = None  # share of first-round groups with signal
+        self.carry: list[Group] = []  # the last batch's surplus groups with signal
 
     def rollouts(
         self, examples: list[Example], n: int, temperature: float, *where: int | str
@@ -168,49 +184,87 @@ class Orchestrator:
         started_at, t0 = time.time(), time.monotonic()
         fill = self.fill(step)
         gen_s = time.monotonic() - t0
-        if not fill.kept:
+        groups = fill.groups
+        if not groups:
             raise RuntimeError(
                 f"batch {step}: no episode of {MAX_FILL_ROUNDS} rounds reached the model (every "
                 "agent failed before its first request; the warnings above say why)"
             )
-        groups = [g for _, _, g in fill.kept]
         groups[0].samples[0].filtered_groups = fill.filtered
         episodes = [e for _, mine, _ in fill.kept for e in mine]
         # Recorded before the push, so it precedes the train record of the step it feeds.
         record = rollout_record(
-            step, episodes, started_at, gen_s, self.weights.load_s, fill.generated, fill.surplus
-        )
+            step, episodes, started_at, gen_s, self.weights.load_s, fill.generated,
+            len(fill.surplus),
+        )  # fmt: skip
         record.first_round_signal = fill.first_round_signal
+        record.carried_groups = len(fill.carried)
         self.run_dir.append_metrics(record.to_json())
         self.weights.load_s = 0.0
+        self.keep_surplus(step, fill.surplus)  # before the push: a resume at step + 1 reads it
         self.push(groups, step)
-        self.save_rollouts(step, *fill.kept[0])
+        if fill.kept:
+            self.save_rollouts(step, *fill.kept[0])
         if self.colocated_gpu:  # the trainer's turn: it gets the GPU to itself
             self.inference.sleep()
         self.log.info(
-            "batch %d generated with version %s in %.2f s (%d groups, %d filtered)",
-            step, sorted(fill.versions), gen_s, len(groups), fill.filtered,
+            "batch %d generated with version %s in %.2f s (%d groups, %d carried in, %d "
+            "filtered, %d carried on)", step, sorted(fill.versions), gen_s, len(groups),
+            len(fill.carried), fill.filtered, len(fill.surplus),
         )  # fmt: skip
 
     def fill(self, step: int) -> Fill:
-        """Batch `step`'s groups, round by round until it holds prompts_per_step groups with
-        signal (the last round keeps whatever it gets, so a batch always fills)."""
+        """Batch `step`'s groups: those the last batch carried into it, then round by round
+        until it holds prompts_per_step groups with signal (the last round keeps whatever it
+        gets, so a batch always fills)."""
         want = self.cfg.environment.prompts_per_step
         # Each batch draws from its own seeded stream: a restarted orchestrator draws the same
-        # prompts (how many depends on the share of groups with signal it has seen).
+        # prompts (how many depends on the share of groups with signal it has seen, and on
+        # the groups carried in, which it reads back).
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
         pool = self.env.train_examples()
-        fill = Fill()
+        fill = Fill(carried=self.carried_into(step)[:want])
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
-            examples = rng.sample(pool, self.draw(want - len(fill.kept), round_, len(pool)))
+            missing = want - len(fill.groups)
+            if not missing:
+                break
+            examples = rng.sample(pool, self.draw(missing, round_, len(pool)))
             last = round_ == MAX_FILL_ROUNDS
             with_signal = self.fill_round(fill, examples, want, last, "train", step, round_)
             if self.cfg.algorithm.filter_zero_advantage and round_ == 1:  # the first sets it
                 fill.first_round_signal = with_signal / len(examples)
                 self.learn_signal_share(fill.first_round_signal)
-            if len(fill.kept) == want:
-                break
         return fill
+
+    def carried_into(self, step: int) -> list[Group]:
+        """The last batch's surplus groups that batch `step` may still train on: the queue
+        would drop a group more than max_off_policy_steps behind it."""
+        bound = self.cfg.algorithm.max_off_policy_steps
+        fresh = [g for g in self.carry if step - g.min_version <= bound]
+        if len(fresh) < len(self.carry):
+            self.log.info("batch %d: %d carried groups too stale, dropped",
+                          step, len(self.carry) - len(fresh))  # fmt: skip
+        self.carry = []
+        return fresh
+
+    def keep_surplus(self, step: int, surplus: list[Group]) -> None:
+        """Carry batch `step`'s surplus groups into the next batch (`algorithm.carry_surplus`),
+        on disk too: a restarted orchestrator resuming at step + 1 reads them back."""
+        if not carries_surplus(self.cfg):
+            return
+        self.carry = surplus
+        path = self.run_dir.carried(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps([g.to_dict() for g in surplus]))
+        self.run_dir.carried(step - 2).unlink(missing_ok=True)  # step - 1's: a resume at step
+
+    def read_carried(self, step: int) -> list[Group]:
+        """What batch `step` carried into the next (none where it kept no file)."""
+        try:
+            raw = json.loads(self.run_dir.carried(step).read_text())
+        except FileNotFoundError:
+            return []
+        return [Group.parse(g, f"carried after batch {step}") for g in raw]
 
     def draw(self, missing: int, round_: int, available: int) -> int:
         """Prompts to draw for `missing` groups. The first round draws enough that the groups
@@ -253,8 +307,8 @@ class Orchestrator:
                 fill.filtered += 1
                 continue
             with_signal += 1
-            if len(fill.kept) == want:  # drawn for groups that turned out to have signal
-                fill.surplus += 1
+            if len(fill.groups) == want:  # drawn for groups that turned out to have signal
+                fill.surplus.append(group)
                 continue
             fill.kept.append((example, mine, group))
         return with_signal
@@ -314,6 +368,8 @@ class Orchestrator:
         for record in records:
             if "filter/first_round_signal" in record:
                 self.learn_signal_share(record["filter/first_round_signal"])
+        if carries_surplus(self.cfg):
+            self.carry = self.read_carried(first - 1)
         return first
 
     def run(self) -> None:
