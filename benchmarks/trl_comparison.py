@@ -30,6 +30,7 @@ used meanwhile (/proc/stat), and a seed whose runs shared the machine with more 
 `--max-other-load` cores of other work is flagged and left out of the summary.
 
     uv run --group bench python benchmarks/trl_comparison.py [--steps 300] [--seeds 3]
+        [--first-seed 0]
         [--variant LABEL="OVERRIDE ..."] [--no-trl] [overrides for both sides ...]
 
 `--variant` adds Relay runs with extra overrides (the ablations); `--no-trl` leaves TRL out.
@@ -447,20 +448,21 @@ def report(runs: list[Run], labels: list[str], targets: list[float], max_other: 
         parts.append(f"exact at equal samples {finals:.2f}")
         print(f"ratio {label}/{base}: " + ", ".join(parts))
         final = statistics.mean(r.final for r in by[base])
-        reach = [r.time_to(final) for r in by[label]]
-        if None in reach:
+        reached = [r for r in by[label] if r.time_to(final) is not None]
+        if len(reached) < len(by[label]):
             print(
-                f"  {label}: {reach.count(None)} of {len(reach)} seeds never reached {base}'s "
-                f"mean final score {final:.3f}"
+                f"  {label}: {len(by[label]) - len(reached)} of {len(by[label])} seeds never "
+                f"reached {base}'s mean final score {final:.3f}; the figures below are over the "
+                f"{len(reached)} that did"
             )
-        else:
+        if reached:
+            reach = statistics.mean(r.time_to(final) or 0.0 for r in reached)
             whole = statistics.mean(r.rl_s for r in by[base])
             print(
-                f"  {label} reached {base}'s mean final score {final:.3f} in "
-                f"{statistics.mean(reach):.1f} s, {base} took {whole:.1f} s for all its steps: "
-                f"ratio {statistics.mean(reach) / whole:.2f}"
+                f"  {label} reached {base}'s mean final score {final:.3f} in {reach:.1f} s, "
+                f"{base} took {whole:.1f} s for all its steps: ratio {reach / whole:.2f}"
             )
-            user = statistics.mean(r.user_time_to(final) or 0.0 for r in by[label])
+            user = statistics.mean(r.user_time_to(final) or 0.0 for r in reached)
             whole = statistics.mean(r.user_s for r in by[base])
             print(
                 f"  on the user's clock (from the command, start-up included): {label} "
@@ -494,6 +496,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="RL steps for each system")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (runs per system)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds from this one")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between scores")
     parser.add_argument(
         "--targets", type=float, nargs="*", default=[0.4, 0.6],
@@ -522,7 +525,8 @@ def main() -> None:
         f"({cfg.environment.prompts_per_step} prompts x {cfg.environment.group_size}), "
         f"lr {learning_rate(cfg)}, max_tokens {cfg.environment.max_tokens}, "
         f"{len(env.eval_examples())} eval prompts scored every {args.eval_every} steps, "
-        f"seeds 0-{args.seeds - 1}; TRL {os.cpu_count()} threads, Relay's roles as planned; "
+        f"seeds {args.first_seed}-{args.first_seed + args.seeds - 1}; "
+        f"TRL {os.cpu_count()} threads, Relay's roles as planned; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
@@ -535,7 +539,7 @@ def main() -> None:
         os.environ.setdefault("RELAY_CACHE", str(tmp / "cache"))
         start = warm_up(cfg, tmp / "warm")
         print(f"warm-up: {cfg.warmup.steps} SFT steps", flush=True)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             order = labels if seed % 2 == 0 else labels[::-1]
             for label in order:
                 run = Run(label, seed)

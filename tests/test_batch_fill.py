@@ -42,7 +42,10 @@ def orchestrator(
     tmp_path.mkdir(exist_ok=True)
     orch = Orchestrator.__new__(Orchestrator)
     orch.cfg = compose_run(
-        f"environment.prompts_per_step={PROMPTS}", f"environment.group_size={GROUP}", *overrides
+        f"environment.prompts_per_step={PROMPTS}",
+        f"environment.group_size={GROUP}",
+        "algorithm.carry_surplus=true",
+        *overrides,
     )
     orch.env = make_environment(orch.cfg.environment)
     orch.advantage = ADVANTAGES["group_mean"]

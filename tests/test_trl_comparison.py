@@ -37,3 +37,24 @@ def test_summary_leaves_out_noisy_seeds_and_gives_the_goal_ratio(
     # against the 20 s trl took for all its steps
     assert "ratio relay/trl: time to >= 0.400 0.40, time to >= 0.600 0.40" in out
     assert "relay reached trl's mean final score 0.600 in 8.0 s" in out and "ratio 0.40" in out
+
+
+def test_the_users_clock_adds_each_runs_start_up_and_names_seeds_short_of_the_score(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    runs = [
+        run("trl", 0, [(0, 0.1), (10, 0.4), (20, 0.6)]),
+        run("relay", 0, [(0, 0.1), (4, 0.4), (8, 0.7)]),
+        run("trl", 1, [(0, 0.1), (10, 0.3), (20, 0.6)]),
+        run("relay", 1, [(0, 0.1), (5, 0.3), (9, 0.5)]),  # short of trl's final 0.6
+    ]
+    for r, startup in zip(runs, (5.0, 2.0, 7.0, 3.0), strict=True):
+        r.startup_s = startup
+    assert runs[1].user_time_to(0.4) == 6.0 and runs[1].user_s == 10.0
+    assert runs[3].user_time_to(0.6) is None
+    report(runs, ["trl", "relay"], [0.6], max_other=0.3)
+    out = capsys.readouterr().out
+    assert "relay: 1 of 2 seeds never reached trl's mean final score 0.600" in out
+    # relay seed 0: 2 s of start-up and 8 s of RL; trl: (5 + 20 + 7 + 20) / 2 = 26 s
+    assert "relay reached trl's mean final score 0.600 in 8.0 s, trl took 20.0 s" in out
+    assert "start-up included): relay 10.0 s, trl 26.0 s for all its steps: ratio 0.38" in out
