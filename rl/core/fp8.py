@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,9 @@ class BaseLayout:
         if block is None:
             raise ValueError(f"{base}: its config.json names no FP8 block format")
         self.base, self.block = base, block
-        self.dtypes = {k: d for tensors in _layout(base).values() for k, d in tensors.items()}
+        self.files = _layout(base)
+        """Each of the base's files, with its tensors' names and dtypes."""
+        self.dtypes = {k: d for tensors in self.files.values() for k, d in tensors.items()}
 
     def quantized(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` (under the checkpoint's names) in the base's dtypes: a weight the base
@@ -141,43 +143,6 @@ class BaseLayout:
             raise KeyError(f"{self.base}: these weights have no {absent[:5]}")
 
 
-def in_layout(base: Path, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, dict]]:
-    """`state` (whole tensors under the checkpoint's names) in the FP8 base checkpoint's
-    layout, file by file: each of its files' name, with its tensors' names and dtypes, the
-    weights it quantized quantized again with its block size."""
-    block = block_size(base)
-    if block is None:
-        raise ValueError(f"{base}: its config.json names no FP8 block format")
-    layout = _layout(base)
-    held = {k for tensors in layout.values() for k in tensors}
-    missing = sorted(set(state) - held)
-    absent = sorted(k for k in held if not k.endswith(SCALE_SUFFIX) and k not in state)
-    if missing or absent:
-        raise KeyError(
-            f"{base}: not the layout of these weights: it holds no {missing[:5]}, and they have "
-            f"no {absent[:5]}"
-        )
-    pending: dict[str, torch.Tensor] = {}  # scales whose weight was written, or values
-    for file, tensors in layout.items():
-        out = {}
-        for key, dtype in tensors.items():
-            weight = key.removesuffix(SCALE_SUFFIX)
-            if key in out:  # written with its weight or its scales
-                continue
-            if key in pending:
-                out[key] = pending.pop(key)
-            elif dtype == torch.float8_e4m3fn or key != weight:
-                values, scales = quantize(state[weight], block)
-                out[weight], out[scale_name(weight)] = values, scales
-                if weight not in tensors:
-                    pending[weight] = out.pop(weight)
-                if scale_name(weight) not in tensors:
-                    pending[scale_name(weight)] = out.pop(scale_name(weight))
-            else:
-                out[key] = state[key].to(dtype).contiguous()
-        yield file, out
-
-
 def quantized_like(base: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` as the FP8 base holds its weights (`BaseLayout`), every file's tensors in one
     dict: what a weight broadcast sends a server that loads the base."""
@@ -188,10 +153,21 @@ def quantized_like(base: Path, state: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def write_like(base: Path, state: dict[str, torch.Tensor], target: Path) -> None:
-    """Write `state` into `target` in the FP8 base checkpoint's layout (`in_layout`): its
-    files, names and dtypes, its index and its config files."""
+    """Write `state` (whole tensors under the checkpoint's names) into `target` in the FP8 base
+    checkpoint's layout (`BaseLayout`): its files, names and dtypes, its index and its config
+    files; quantized file by file."""
+    layout = BaseLayout(base)
+    unknown = sorted(set(state) - set(layout.dtypes))
+    if unknown:
+        raise KeyError(f"{base}: not the layout of these weights: it holds no {unknown[:5]}")
+    layout.check_complete(
+        list(state) + [scale_name(k) for k in state if scale_name(k) in layout.dtypes]
+    )
     target.mkdir(parents=True, exist_ok=True)
-    for file, tensors in in_layout(base, state):
+    for file, names in layout.files.items():
+        weights = {name.removesuffix(SCALE_SUFFIX) for name in names}
+        quantized = layout.quantized({w: state[w] for w in weights})
+        tensors = {name: quantized[name].contiguous() for name in names}
         save_file(tensors, target / file, metadata={"format": "pt"})
     for extra in (SAFETENSORS_INDEX, "config.json", "generation_config.json"):
         if (base / extra).is_file():

@@ -64,12 +64,17 @@ class Fill:
     filtered: int = 0
     """Groups dropped for having no signal (or no episode that reached the model)."""
     surplus: list[Group] = field(default_factory=list)
-    """Groups with signal drawn beyond the batch (carried into the next one)."""
+    """Groups with signal drawn beyond the batch (carried into the next one, with
+    `algorithm.carry_surplus`)."""
     generated: int = 0
     """Episodes generated in all rounds."""
     versions: set[int] = field(default_factory=set)
     first_round_signal: float | None = None
     """Share of the first round's groups with signal (with the zero-advantage filter)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.carried) + len(self.kept)
 
     @property
     def groups(self) -> list[Group]:
@@ -225,7 +230,7 @@ class Orchestrator:
         pool = self.env.train_examples()
         fill = Fill(carried=self.carried_into(step)[:want])
         for round_ in range(1, MAX_FILL_ROUNDS + 1):
-            missing = want - len(fill.groups)
+            missing = want - fill.size
             if not missing:
                 break
             examples = rng.sample(pool, self.draw(missing, round_, len(pool)))
@@ -307,7 +312,7 @@ class Orchestrator:
                 fill.filtered += 1
                 continue
             with_signal += 1
-            if len(fill.groups) == want:  # drawn for groups that turned out to have signal
+            if fill.size == want:  # drawn for groups that turned out to have signal
                 fill.surplus.append(group)
                 continue
             fill.kept.append((example, mine, group))
