@@ -503,13 +503,20 @@ class Trainer:
                 "time/train": t_train,
                 "time/weight_sync": elapsed - t_fetch - t_train,
             }
-            whole = self.whole_batch(batch.samples)  # a collective: every rank takes part
-            if self.rank == 0:  # recorded before the checkpoint that covers it
-                self.record(step, batch, whole, stats, times)
+            self.record_step(step, batch, stats, times)  # before the checkpoint covering it
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
                 self.checkpoint(step + 1)
         self.checkpoint(cfg.max_steps)
         self.log.info("done: %d steps", cfg.max_steps)
+
+    def record_step(
+        self, step: int, batch: BatchShard, stats: dict[str, float], times: dict[str, float]
+    ) -> None:
+        """Step `step + 1`'s record, written by rank 0 from the whole batch (a collective:
+        every rank takes part)."""
+        whole = self.whole_batch(batch.samples)
+        if self.rank == 0:
+            self.record(step, batch, whole, stats, times)
 
     def whole_batch(self, samples: list[Sample]) -> list[Sample]:
         """Every data-parallel rank's samples of the step, on every rank (the ranks of a CP
