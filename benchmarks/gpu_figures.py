@@ -1,12 +1,14 @@
 """The GPU figures the planner relies on, measured on the GPU at hand; one JSON report.
 
-For a model of `model=`'s shape (Qwen3-0.6B by default) with random weights, in its dtype:
+For a model of `model=`'s shape (Qwen3-0.6B by default) with random weights:
 - **trainer**: a full fine-tuning step (forward, backward, AdamW) of one sample of each length
-  in `--tokens` (2k and 8k), with and without `torch.compile`: tokens/s, and MFU against the
-  GPU's dense bf16 peak, counting FLOPs as launcher/balance.py does (3 x (2 x active parameters
-  + attention over half the sample) per token); the peak memory allocated against
-  launcher/memory.py's estimate for one process (weights, gradients, AdamW's moments,
-  activations, logits; the CUDA context is not the allocator's);
+  in `--tokens` (2k and 8k), as one trainer process keeps it (rl/trainer/parallel.py): float32
+  master weights and moments, forward under autocast in the model's dtype, the loss from float32
+  log-probabilities; with and without `torch.compile`: tokens/s, and MFU against the GPU's
+  dense bf16 peak, counting FLOPs as launcher/balance.py does (3 x (2 x active parameters +
+  attention over half the sample) per token); the peak memory allocated against
+  launcher/memory.py's estimate for one process (master weights, gradients, AdamW's moments,
+  autocast's copy, activations, attention, logits; the CUDA context is not the allocator's);
 - **decode**: the embedded engine's `generate` for `--batch` prompts (64) of `--prompt` tokens,
   `--new` tokens each: tokens/s against the HBM bound (every step reads the weights once:
   batch / (weight bytes / bandwidth)); the peak memory against weights plus launcher/memory.py's
@@ -35,32 +37,35 @@ from typing import Any
 import torch
 
 from launcher.balance import active_params, attention_flops_per_token
+from launcher.gpus import SPECS, kind_of
 from launcher.memory import GIB, kv_bytes_per_token, trainer_memory
 from launcher.sizing import ONE_PROCESS, decide
+from rl.core.derive import ParallelDims, precision
 from rl.core.model import ensure_checkpoint, hf_config, load_tokenizer
 from rl.inference.engine import Engine, MemoryJob
 from rl.inference.generation import generate
+from rl.trainer.parallel import compute_context
 from tests.support.runs import compose_run
 
-# Dense bf16 TFLOPS and HBM GB/s from the vendor's spec sheets (SXM parts).
-SPECS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0)}
 SPECIALS = SimpleNamespace(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def spec(device: torch.device) -> tuple[float, float] | None:
+    """The GPU's dense bf16 TFLOP/s and memory GB/s, as the planner knows them."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in SPECS.items() if k in name), None)
+    kind = kind_of(torch.cuda.get_device_name(device))
+    return (SPECS[kind].tflops, SPECS[kind].bandwidth_gbs) if kind else None
 
 
-def random_model(cfg: Any, device: torch.device) -> Any:
+def random_model(cfg: Any, device: torch.device, dtype: str | None = None) -> Any:
+    """The model's shape with random weights, in `dtype` (default: the model's)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config(cfg.model, SPECIALS))
-    return model.to(getattr(torch, cfg.model.dtype))
+    return model.to(getattr(torch, dtype or cfg.model.dtype))
 
 
 def synchronize(device: torch.device) -> None:
@@ -81,14 +86,17 @@ def peak_gib(device: torch.device) -> float | None:
 def trainer_figures(
     cfg: Any, device: torch.device, tokens: int, compiled: bool, steps: int
 ) -> dict[str, Any]:
-    model = random_model(cfg, device).train()
+    dtypes = precision(cfg)
+    model = random_model(cfg, device, dtypes.master).train()
     forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(3, cfg.model.vocab_size, (1, tokens), device=device)
+    one = ParallelDims()
 
     def step() -> None:
-        logits = forward(input_ids=ids).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+        with compute_context(dtypes, one, device):
+            logits = forward(input_ids=ids).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -107,8 +115,11 @@ def trainer_figures(
     flops = 3 * (2 * active_params(m) + attention_flops_per_token(m, tokens / 2)) * tokens
     peak = spec(device)
     decide(cfg.trainer, "micro_batch_tokens", tokens)
-    terms = trainer_memory(cfg, ONE_PROCESS, checkpointing=False, offload=False).terms
-    estimate = sum(v for k, v in terms.items() if k not in ("gathered blocks", "context"))
+    terms = trainer_memory(cfg, ONE_PROCESS, served=tokens).terms
+    # One sample alone: no packed rows' mask (its attention is causal); the allocator holds
+    # neither the CUDA context nor NCCL's buffers (one process has none).
+    unseen = ("context", "NCCL communicators", "attention")
+    estimate = sum(v for k, v in terms.items() if k not in unseen)
     measured = peak_gib(device)
     return {
         "tokens": tokens,

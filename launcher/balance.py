@@ -13,10 +13,12 @@ are generated:
   reading the GPU's weights and its sequences' KV cache at `HBM_EFFICIENCY` of its bandwidth
   or computing at `DECODE_MFU`, whichever is slower, with `MTP_ACCEPTED` of each drafted
   token accepted; prefill and decode overlap when they run on instances of their own;
-- weight sync: NCCL broadcast from trainer rank 0 over one GPU's link at `LINK_EFFICIENCY`,
-  in buckets (inference pauses that long), or through the shared filesystem (written once,
-  read by every replica);
-- a checkpoint: the trainer's state written at `cluster.storage_gbs`.
+- weight sync: rank 0 gathers the version from the trainer's shards over its link (in the
+  model's dtype), re-quantizes it on its GPU where the base is FP8, then sends it by NCCL
+  broadcast over one GPU's link at `LINK_EFFICIENCY`, in buckets (inference pauses that long),
+  or writes it to the shared filesystem (after a copy to the host), read by every replica;
+- a checkpoint: the trainer's float32 master weights and moments written at
+  `cluster.storage_gbs`.
 
 `balance` picks the trainer nodes and inference replicas (where the config leaves them to the
 plan, 0) that make the slower side fastest in the fewest nodes. Pure arithmetic, no torch.
@@ -28,9 +30,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.memory import DTYPE_BYTES, InferenceMemory, params, served_bytes
+from launcher.memory import (
+    DTYPE_BYTES,
+    InferenceMemory,
+    TrainerOptions,
+    activation_bytes_per_token,
+    params,
+    served_bytes,
+)
 from rl.core.config import WeightTransport
-from rl.core.derive import weight_transport
+from rl.core.derive import precision, weight_transport
 
 TRAIN_MFU = 0.30
 PREFILL_MFU = 0.40
@@ -49,6 +58,9 @@ SIGNAL_SLACK_S = 60
 SLURM_MAX_SIGNAL_S = 65535
 """sbatch --signal takes at most this many seconds."""
 GB = 1e9
+QUANTIZE_PASSES = 4
+"""HBM passes of FP8 re-quantization over the gathered bytes: each block's amax, the division
+by its scale, the cast, and the result written."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +96,22 @@ def attention_flops_per_token(m: Any, context: float) -> float:
     return 2 * m.num_layers * m.num_attention_heads * width * keys
 
 
-def train_seconds(cfg: Any, work: Workload, gpus: int, offload: bool, checkpointing: bool) -> float:
+def train_seconds(cfg: Any, work: Workload, gpus: int, options: TrainerOptions) -> float:
+    """Forward and backward over the step's tokens (the forward twice with activation
+    checkpointing, the LM head's matmul again for each chunk with the chunked head), plus
+    what offloading moves over PCIe: the blocks' inputs out and back, the optimiser state
+    down and back up."""
     m, c = cfg.model, cfg.cluster
     per_token = 2 * active_params(m) + attention_flops_per_token(m, work.sample_tokens / 2)
-    flops = per_token * (4 if checkpointing else 3) * work.tokens
+    flops = per_token * (4 if options.checkpointing else 3) * work.tokens
+    if options.head_chunk:
+        flops += 2 * m.vocab_size * m.hidden_size * work.tokens
     seconds = flops / (gpus * c.gpu_tflops * 1e12 * TRAIN_MFU)
-    if offload:  # parameters, gradients and moments down and back up, every step
-        state = params(m).trained * DTYPE_BYTES.get(str(m.dtype), 4) * 4 / gpus
+    if options.activation_offload:
+        _, block_input = activation_bytes_per_token(m, DTYPE_BYTES[precision(cfg).compute])
+        seconds += 2 * m.num_layers * block_input * work.tokens / gpus / (PCIE_GBS * GB)
+    if options.offload:  # parameters, gradients and moments down and back up, every step
+        state = params(m).trained * DTYPE_BYTES[precision(cfg).master] * 4 / gpus
         seconds += 2 * state / (PCIE_GBS * GB)
     return seconds
 
@@ -139,18 +160,52 @@ def sync_bytes(cfg: Any) -> float:
     return served_bytes(cfg, p.trained - p.embedding) + served_bytes(cfg, p.embedding, True)
 
 
-def sync_seconds(cfg: Any, replicas: int) -> float:
-    """Seconds from publishing a version to every server holding it (inference pauses)."""
-    size = sync_bytes(cfg)
+def gathered_bytes(cfg: Any) -> float:
+    """One version as trainer rank 0 gathers it from the ranks' shards: in the model's dtype
+    (each rank casts its float32 master shard before the gather)."""
+    return params(cfg.model).trained * DTYPE_BYTES.get(str(cfg.model.dtype), 4)
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Seconds from the optimiser step to every server holding the new version."""
+
+    gather_s: float
+    """Rank 0 gathering the version block by block from the other ranks' shards."""
+    quantize_s: float
+    """Re-quantizing it into an FP8 base's block format, on rank 0's GPU (0 without one)."""
+    transfer_s: float
+    """The broadcast to the servers, or the write and the servers' reads of the files
+    (with the host copy the write needs)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.gather_s + self.quantize_s + self.transfer_s
+
+
+def sync_seconds(cfg: Any, replicas: int, trainer_gpus: int = 1) -> Sync:
+    """A weight sync's stages, one after another as rank 0 runs them block by block: the
+    gather over rank 0's link, the FP8 re-quantization (reading the gathered bytes and
+    writing the quantized ones and their scales, a few passes over HBM), then the transfer
+    (inference pauses for that)."""
     c = cfg.cluster
+    gathered = gathered_bytes(cfg)
+    size = sync_bytes(cfg)
+    link = c.link_gbs * GB * LINK_EFFICIENCY
+    gather = gathered * (1 - 1 / trainer_gpus) / link
+    quantize = 0.0
+    if cfg.model.inference.quantization == "fp8":
+        quantize = QUANTIZE_PASSES * gathered / (c.gpu_bandwidth_gbs * GB * HBM_EFFICIENCY)
     if weight_transport(cfg) == WeightTransport.broadcast:
-        return size / (c.link_gbs * GB * LINK_EFFICIENCY)
-    return size * (1 + replicas) / (c.storage_gbs * GB)
+        return Sync(gather, quantize, size / link)
+    host_copy = size / (PCIE_GBS * GB)
+    return Sync(gather, quantize, host_copy + size * (1 + replicas) / (c.storage_gbs * GB))
 
 
 def checkpoint_bytes(cfg: Any, optimizer: bool = True) -> float:
+    """A trainer checkpoint: the float32 master weights, and AdamW's two moments."""
     p = params(cfg.model)
-    return p.trained * DTYPE_BYTES.get(str(cfg.model.dtype), 4) * (3 if optimizer else 1)
+    return p.trained * DTYPE_BYTES[precision(cfg).master] * (3 if optimizer else 1)
 
 
 def checkpoint_seconds(cfg: Any, optimizer: bool = True) -> float:

@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from launcher.errors import PlanError, refuse
 from launcher.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
-from launcher.sizing import disk_need
+from launcher.sizing import MIN_TOKENS_PER_CP_RANK, disk_need
 from launcher.vllm_args import VLLM_LORA_RANKS
 from rl.core import lora
 from rl.core.config import (
@@ -50,14 +50,12 @@ from rl.core.config import (
     WeightTransport,
     bounded_settings,
 )
-from rl.core.derive import inference_backend, max_model_len, weight_transport
+from rl.core.derive import inference_backend, max_model_len, precision, weight_transport
 from rl.core.disk import free_bytes, size
 from rl.envs import locate as locate_environment
 
 FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped FP8 checkpoints
 LOCAL_SOURCES = ("random", "gguf_package")  # built here, or shipped inside a Python package
-# Fewest tokens per context-parallel rank for which splitting a sequence pays off.
-MIN_TOKENS_PER_CP_RANK = 64
 
 
 def check_run(cfg: DictConfig) -> list[str]:
@@ -95,6 +93,11 @@ def _lookup(cfg: Any, key: str) -> Any:
 def check_relations(cfg: DictConfig) -> None:
     """Settings each valid alone that cannot go together."""
     cluster, env, algo = cfg.cluster, cfg.environment, cfg.algorithm
+    if cfg.trainer.activation_offload and not cfg.trainer.activation_checkpointing:
+        raise PlanError(
+            "trainer.activation_offload=true keeps the inputs of checkpointed blocks on the "
+            "host; set trainer.activation_checkpointing=true too"
+        )
     delay = cluster.signal_delay_s
     if cluster.kind == ClusterKind.slurm and delay is not None and delay >= cluster.time_min * 60:
         raise PlanError(
@@ -163,6 +166,13 @@ def check_model_fit(cfg: DictConfig) -> None:
             f"parallel.trainer.ep={par.trainer.ep}",
             f"must divide model={model.name}'s {model.num_experts} experts",
         )
+    if par.trainer.cp > 1 and model.index_n_heads:
+        refuse(
+            f"parallel.trainer.cp={par.trainer.cp}",
+            f"model={model.name}'s DeepSeek sparse attention picks each query's keys with an "
+            f"indexer over every earlier key, which context parallelism does not split (each "
+            f"rank would see its own keys only); use cp=1",
+        )
     if par.trainer.cp > 1 and env.max_tokens < par.trainer.cp * MIN_TOKENS_PER_CP_RANK:
         refuse(
             f"parallel.trainer.cp={par.trainer.cp}",
@@ -191,7 +201,7 @@ def check_cpu_fit(cfg: DictConfig) -> None:
         )
     quantization = model.inference.quantization
     weights = DTYPE_BYTES.get(str(quantization or model.dtype), 4)
-    state = TRAINER_STATE_COPIES * DTYPE_BYTES.get(str(model.dtype), 4)
+    state = TRAINER_STATE_COPIES * DTYPE_BYTES[precision(cfg).master]
     need_gb = params(model).trained / 1e9 * (state + weights)
     if need_gb > cluster.mem_gb_per_node:
         raise PlanError(
@@ -395,8 +405,9 @@ def disk_warning(cfg: DictConfig, run_dir: Path, done: int = 0) -> str | None:
         return None
     model, trainer = cfg.model, cfg.trainer
     parts = [
-        f"{need.checkpoints} checkpoint(s) of ~{size(need.checkpoint_bytes)} (weights and "
-        f"AdamW's two moments in {model.dtype}; trainer.checkpoint_every="
+        f"{need.checkpoints} checkpoint(s) at once of ~{size(need.checkpoint_bytes)} (master "
+        f"weights and AdamW's two moments in {precision(cfg).master}; "
+        f"trainer.keep_checkpoints={trainer.keep_checkpoints}, checkpoint_every="
         f"{trainer.checkpoint_every}, max_steps={cfg.max_steps})",
         f"{need.versions} published version(s) of ~{size(need.version_bytes)} at once "
         f"(trainer.keep_weights={trainer.keep_weights})",

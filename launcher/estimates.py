@@ -9,9 +9,11 @@ from omegaconf import DictConfig
 
 from launcher.balance import (
     SLURM_MAX_SIGNAL_S,
+    Sync,
     checkpoint_bytes,
     checkpoint_seconds,
     duration,
+    gathered_bytes,
     generation,
     signal_delay,
     sync_bytes,
@@ -46,20 +48,20 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
     work = workload(cfg, served)
     tm = size.trainer_memory
     trainer_gpus = size.mesh["world"]
-    train_s = train_seconds(cfg, work, trainer_gpus, tm.offload, tm.checkpointing)
+    train_s = train_seconds(cfg, work, trainer_gpus, tm.options)
     mem = replica_memory(cfg, size.replica_nodes)
     replica_gpus = replica_gpus_of(cfg, size.replica_nodes)
     replicas = cfg.parallel.inference.replicas
     pd = disaggregated(cfg)
     gen = generation(cfg, work, mem, replica_gpus, replicas, pd)
-    sync_s = sync_seconds(cfg, replicas * (2 if pd else 1))
+    sync = sync_seconds(cfg, replicas * (2 if pd else 1), trainer_gpus)
     slower = max(train_s, gen.seconds)
     instances = f"{replicas} replica(s)" + (" x (prefill + decode)" if pd else "")
+    turned_on = tm.options.describe() + ([f"cp {tm.mesh['cp']}"] if tm.mesh["cp"] > 1 else [])
     notes = [
         f"trainer memory per GPU ({trainer_gpus} GPUs, {size.trainer_nodes} nodes"
-        + (", activation checkpointing" if tm.checkpointing else "")
-        + (", CPU offload" if tm.offload else "")
-        + f"): {tm.describe()}",
+        + "".join(f", {what}" for what in turned_on)
+        + f"; micro-batches of up to {tm.tokens:,} tokens): {tm.describe()}",
         f"inference memory per GPU ({instances} of {replica_gpus} GPUs, tp "
         f"{cfg.parallel.inference.tp}"
         + (f", experts over {replica_gpus}" if cfg.parallel.inference.expert_parallel else "")
@@ -71,26 +73,33 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
         f"{duration(gen.decode_s)} at {gen.batch_per_gpu} sequences per GPU); the trainer "
         f"waits {1 - train_s / slower:.0%} of the step, inference {1 - gen.seconds / slower:.0%}"
         " (launcher/balance.py states the efficiencies)",
-        weight_sync_note(cfg, sync_s, replicas * (2 if pd else 1)),
+        weight_sync_note(cfg, sync, replicas * (2 if pd else 1)),
     ]
-    notes.append(preemption_note(cfg, slower + sync_s))
+    notes.append(preemption_note(cfg, slower + sync.seconds))
     return notes
 
 
-def weight_sync_note(cfg: DictConfig, seconds: float, instances: int) -> str:
+def weight_sync_note(cfg: DictConfig, sync: Sync, instances: int) -> str:
     size = sync_bytes(cfg) / 1e9
+    gathered = gathered_bytes(cfg) / 1e9
+    stages = (
+        f"rank 0 gathers {gathered:,.0f} GB ({cfg.model.dtype}) block by block at "
+        f"{cfg.cluster.link_gbs:g} GB/s (~{duration(sync.gather_s)})"
+    )
+    if sync.quantize_s:
+        stages += f", re-quantizes it to FP8 on its GPU (~{duration(sync.quantize_s)})"
     if weight_transport(cfg) == WeightTransport.broadcast:
         return (
-            f"weight sync: {size:,.0f} GB per version by NCCL broadcast in buckets at "
-            f"{cfg.cluster.link_gbs:g} GB/s per GPU link: ~{duration(seconds)}, inference "
-            f"paused as long"
+            f"weight sync ~{duration(sync.seconds)} a version: {stages}, then broadcasts "
+            f"{size:,.0f} GB by NCCL in buckets at {cfg.cluster.link_gbs:g} GB/s per GPU link "
+            f"(~{duration(sync.transfer_s)}, inference paused as long)"
         )
     kept = kept_versions(cfg) + 1
     return (
-        f"weight sync: {size:,.0f} GB per version through the filesystem at "
-        f"{cfg.cluster.storage_gbs:g} GB/s (written once, read by {instances} instance(s)): "
-        f"~{duration(seconds)}, inference paused while it loads; {kept} versions on disk "
-        f"(~{kept * size / 1000:.1f} TB)"
+        f"weight sync ~{duration(sync.seconds)} a version: {stages}, then writes {size:,.0f} "
+        f"GB through the filesystem at {cfg.cluster.storage_gbs:g} GB/s (read by {instances} "
+        f"instance(s): ~{duration(sync.transfer_s)}, inference paused while it loads); "
+        f"{kept} versions on disk (~{kept * size / 1000:.1f} TB)"
         + "; inference.weight_transport=broadcast sends them over the network instead"
     )
 

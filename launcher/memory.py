@@ -6,11 +6,15 @@ experts, vocabulary; rl/core/config.py), never from a typed-in total:
 - `Params` counts the weights by kind. Routed experts are the weights expert parallelism
   shards; attention, dense and shared-expert MLPs, routers and embeddings are what data
   parallelism copies to every rank.
-- `trainer_memory`: one FSDP2 rank's parameters, gradients and AdamW's two moments (all in the
-  model's dtype, as rl/trainer/parallel.py keeps them; on the host with `cpu_offload`), the
-  blocks FSDP gathers whole, the activations of one micro-batch (every block's saved tensors,
-  or with activation checkpointing only each block's input plus one block recomputed) and the
-  logits over the vocabulary.
+- `trainer_memory`: one FSDP2 rank's parameters, gradients and AdamW's two moments (float32
+  master copies, as rl/trainer/parallel.py keeps them; on the host with `cpu_offload`), the
+  blocks FSDP gathers whole in the compute dtype, the activations of the largest micro-batch
+  (one sample of the served length where that is longer than the budget: every block's saved
+  tensors, or with activation checkpointing only each block's input plus one block
+  recomputed, those inputs on the host with activation offload), attention's quadratic terms,
+  the gathered keys and values of context parallelism, the logits over the vocabulary (or one
+  chunk of them), expert parallelism's all-to-all buffers and NCCL's communicators, against
+  the GPU's memory less a stated reserve.
 - `inference_memory`: one vLLM GPU's weights (replicated under data parallelism, split under
   tensor parallelism, experts spread over the replica under expert parallelism; FP8 where the
   model is served so), the MTP draft, and the KV cache that is left under
@@ -24,26 +28,43 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl.core.derive import max_model_len, precision
+
 GIB = 2**30
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 TRAINER_STATE_COPIES = 4
-"""What the trainer keeps of each parameter, in the model's dtype: the weight, its gradient
-and AdamW's two moments."""
+"""What the trainer keeps of each parameter, in the master dtype (float32): the weight, its
+gradient and AdamW's two moments."""
 
 FP8_BLOCK = 128
 """FP8 checkpoints quantise each weight in 128 x 128 blocks, with one fp32 scale per block."""
 
 CUDA_CONTEXT_GB = 1.0
-"""The CUDA context of one process, and its share of NCCL's buffers."""
+"""The CUDA context of one process, with cuBLAS's workspaces."""
 
-ALLOCATOR_HEADROOM = 0.05
-"""Share of a trainer GPU left to the caching allocator's fragmentation."""
+NCCL_COMM_GB = 1.0
+"""GPU memory of one NCCL communicator at NCCL's default sizes: per channel and peer, a
+receive buffer for each protocol (Simple 4 MiB, LL128 4.7 MiB, LL 0.5 MiB), for the ring's
+peer and the tree's up to three, over 32 channels (what NCCL opens on NVLink and 400 Gb/s
+fabrics): 32 x 4 x 9.2 MiB, about 1.1 GiB; stated, not measured here (no GPU)."""
 
 LOGIT_BYTES = 8
 """Bytes per vocabulary entry and token beyond the logits themselves: their fp32 log-softmax
 and its gradient (the loss computes token logprobs in fp32)."""
+
+CHUNK_LOGIT_BYTES = 12
+"""Bytes per vocabulary entry and token of a chunk of the LM head beyond its logits: their
+fp32 copy, the softmax, and (in the backward pass) the gradient of the logits."""
+
+DSA_INDEXER_BYTES = 8
+"""Bytes per indexer head and (query, key) pair of transformers' DeepSeek sparse-attention
+indexer: the fp32 scores and their ReLU, alive together."""
+
+DSA_MASK_BYTES = 6
+"""Bytes per (query, key) pair beside the indexer's heads: the fp32 weighted score, the
+top-k mask and the mask combined with the causal one (booleans)."""
 
 VLLM_WORKSPACE_GB = 4.0
 """What vLLM keeps beside weights and KV cache inside its share: the activations of its
@@ -149,15 +170,54 @@ def activation_bytes_per_token(m: Any, dtype_bytes: int) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
+class TrainerOptions:
+    """What the plan may turn on to fit a trainer rank, in the order it tries them (besides
+    the context-parallel degree, which is the mesh's)."""
+
+    checkpointing: bool = False
+    """Activation checkpointing: each block keeps only its input; one block is recomputed."""
+    head_chunk: int = 0
+    """Tokens per chunk of the LM head (0: the whole micro-batch's logits at once)."""
+    activation_offload: bool = False
+    """With checkpointing: the blocks' inputs in host memory."""
+    offload: bool = False
+    """FSDP's CPU offload: parameters, gradients and AdamW's moments in host memory."""
+
+    def describe(self) -> list[str]:
+        return [
+            what
+            for what, on in (
+                ("activation checkpointing", self.checkpointing),
+                (f"LM head in chunks of {self.head_chunk:,} tokens", self.head_chunk),
+                ("activation offload", self.activation_offload),
+                ("CPU offload", self.offload),
+            )
+            if on
+        ]
+
+
+@dataclass(frozen=True)
 class TrainerMemory:
     """One trainer GPU's memory, GiB by term, and what the host holds for it."""
 
     gpu: float
+    reserve: float
+    """Share of the GPU left free (`cluster.gpu_memory_reserve`)."""
     terms: dict[str, float]
     host_per_gpu: float
-    """Offloaded state on the host, per GPU."""
-    checkpointing: bool
-    offload: bool
+    """Offloaded state and activations on the host, per GPU."""
+    options: TrainerOptions
+    mesh: dict[str, int]
+    tokens: int
+    """Tokens of the largest micro-batch: the budget, or one sample of the served length."""
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.options.checkpointing
+
+    @property
+    def offload(self) -> bool:
+        return self.options.offload
 
     @property
     def total(self) -> float:
@@ -165,7 +225,7 @@ class TrainerMemory:
 
     @property
     def usable(self) -> float:
-        return self.gpu * (1 - ALLOCATOR_HEADROOM)
+        return self.gpu * (1 - self.reserve)
 
     @property
     def fits(self) -> bool:
@@ -173,46 +233,132 @@ class TrainerMemory:
 
     def describe(self) -> str:
         parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.terms.items())
-        host = f"; host {self.host_per_gpu:.1f} GiB per GPU" if self.offload else ""
-        return f"{self.total:.1f} of {self.usable:.1f} GiB usable ({parts}){host}"
+        host = f"; host {self.host_per_gpu:.1f} GiB per GPU" if self.host_per_gpu else ""
+        return (
+            f"{self.total:.1f} of {self.usable:.1f} GiB usable ({self.gpu:g} GiB less "
+            f"{self.reserve:.0%} reserve; {parts}){host}"
+        )
 
 
 def trainer_memory(
-    cfg: Any, mesh: dict[str, int], checkpointing: bool, offload: bool
+    cfg: Any,
+    mesh: dict[str, int],
+    options: TrainerOptions = TrainerOptions(),
+    served: int | None = None,
 ) -> TrainerMemory:
-    """One trainer rank's memory under `mesh`, with or without activation checkpointing and
-    CPU offload (the plan tries them in that order)."""
-    m = cfg.model
-    b = DTYPE_BYTES.get(str(m.dtype), 4)
+    """One trainer rank's memory under `mesh` (its `cp` included) with `options`, term by term:
+
+    - parameters, gradients and AdamW's two moments: the rank's FSDP shard, in the master
+      dtype (float32: 16 bytes an element);
+    - FSDP's gathered blocks in the compute dtype (this block and the next), the block's
+      unsharded gradient and its cast to the reduce dtype; one process under autocast holds a
+      compute-dtype copy of every weight instead;
+    - activations of the largest micro-batch (`micro_batch_tokens`, or one sample of the
+      served length alone, split over `cp`);
+    - attention's quadratic terms: the mask of packed rows (a boolean and SDPA's additive
+      copy), and for DeepSeek sparse attention transformers' dense indexer (each query's fp32
+      score against every key, for every indexer head);
+    - under CP, the keys and values of the whole row each block gathers;
+    - the logits (or one chunk of them, and the head's input);
+    - expert parallelism's all-to-all buffers; one buffer set per NCCL communicator; the CUDA
+      context.
+
+    `served`: the longest sample (default: the run's served length)."""
+    m, trainer, prec = cfg.model, cfg.trainer, precision(cfg)
+    b_master, b = DTYPE_BYTES[prec.master], DTYPE_BYTES[prec.compute]
     p = params(m)
-    shards = mesh["world"] // mesh["dp_replicate"]  # FSDP shards dense and expert weights alike
-    state = p.trained * b / shards / GIB
-    ep = mesh.get("ep", 1)
-    # The largest block's weights, gathered whole (an EP rank's experts of it, with MoE)
-    block = max(p.dense_block, p.moe_block + p.expert_block / ep) / GIB
-    tokens = cfg.trainer.micro_batch_tokens / mesh.get("cp", 1)
+    world, cp, ep = mesh["world"], mesh.get("cp", 1), mesh.get("ep", 1)
+    shards = world // mesh["dp_replicate"]  # FSDP shards dense and expert weights alike
+    state = p.trained / shards / GIB
+    served = served or max_model_len(cfg)
+    tokens = max(int(trainer.micro_batch_tokens), served)
+    local = tokens / cp
     saved, block_input = activation_bytes_per_token(m, b)
-    if checkpointing:
-        activations = tokens * (m.num_layers * block_input + saved) / GIB
+    host = 0.0
+    if not options.checkpointing:
+        activations = local * m.num_layers * saved
+    elif options.activation_offload:  # two block inputs in flight, the recomputed block
+        activations = local * (2 * block_input + saved)
+        host += local * m.num_layers * block_input / GIB
     else:
-        activations = tokens * m.num_layers * saved / GIB
-    resident = 0.0 if offload else 1.0
+        activations = local * (m.num_layers * block_input + saved)
+    resident = 0.0 if options.offload else 1.0
     terms = {
-        "parameters": resident * state,
-        "gradients": resident * state,
-        "optimizer": resident * (TRAINER_STATE_COPIES - 2) * state,
-        "gathered blocks": block * (2 * b + 4),  # this block and the next, its fp32 gradient
-        "activations": activations,
-        "logits": tokens * m.vocab_size * (b + LOGIT_BYTES) / GIB,
-        "context": CUDA_CONTEXT_GB,
+        "parameters": resident * state * b_master,
+        "gradients": resident * state * b_master,
+        "optimizer": resident * 2 * state * b_master,
     }
+    if world > 1:
+        # The largest block's weights, gathered whole (an EP rank's experts of it, with MoE)
+        block = max(p.dense_block, p.moe_block + p.expert_block / ep) / GIB
+        terms["gathered blocks"] = block * (3 * b + DTYPE_BYTES[prec.reduce])
+    elif prec.mixed:
+        terms["compute copy"] = p.trained * b / GIB
+    terms["activations"] = activations / GIB
+    terms["attention"] = attention_bytes(m, cfg, tokens, served, cp, b) / GIB
+    if cp > 1:
+        kept = 2 if options.checkpointing else m.num_layers  # blocks holding gathered K/V
+        terms["gathered K/V (CP)"] = kept * tokens * kv_elements(m) * b / GIB
+    terms["logits"] = logits_bytes(m, local, options.head_chunk, b) / GIB
+    if ep > 1:  # one MoE block's rows in flight: sent, and back before the weighted sum
+        terms["expert all-to-all"] = 3 * local * m.experts_per_token * m.hidden_size * b / GIB
+    terms["NCCL communicators"] = communicators(mesh) * NCCL_COMM_GB
+    terms["context"] = CUDA_CONTEXT_GB
+    host += (1 - resident) * 4 * state * b_master
     return TrainerMemory(
         cfg.cluster.gpu_memory_gb,
+        float(cfg.cluster.gpu_memory_reserve),
         terms,
-        (1 - resident) * TRAINER_STATE_COPIES * state,
-        checkpointing,
-        offload,
+        host,
+        options,
+        mesh,
+        tokens,
     )
+
+
+def kv_elements(m: Any) -> int:
+    """Elements of one token's keys and values in one block as attention reads them: grouped
+    heads, or MLA's keys and values expanded per head (as transformers computes them)."""
+    if m.kv_lora_rank:
+        return m.num_attention_heads * (m.head_dim + (m.v_head_dim or m.head_dim))
+    return 2 * m.num_kv_heads * m.head_dim
+
+
+def attention_bytes(m: Any, cfg: Any, tokens: int, served: int, cp: int, b: int) -> float:
+    """The larger of attention's quadratic terms in one block, per rank: a packed micro-batch
+    (rows no wider than the served length, `micro_batch_tokens` in all) under its mask, or the
+    longest sample alone. A row of one sample attends causally without a mask (rl/trainer/
+    packing.py), but DeepSeek sparse attention always takes one, and its indexer (as
+    transformers implements it) scores every query against every key for each of its heads in
+    fp32: `DSA_INDEXER_BYTES` per indexer head and (query, key) pair."""
+    budget = int(cfg.trainer.micro_batch_tokens)
+    packed_width = min(budget, served)
+    mask = 1 + b  # the boolean mask and SDPA's additive copy of it
+    if m.index_n_heads:
+        pair = m.index_n_heads * DSA_INDEXER_BYTES + DSA_MASK_BYTES + mask
+        widest = max(budget * packed_width, served * served)
+        return widest * pair / cp
+    return budget * packed_width * mask / cp
+
+
+def logits_bytes(m: Any, tokens: float, head_chunk: int, b: int) -> float:
+    """The LM head's logits for `tokens` (with their fp32 log-softmax and its gradient), or
+    one chunk's (recomputed in the backward pass) plus the head's saved input."""
+    if not head_chunk:
+        return tokens * m.vocab_size * (b + LOGIT_BYTES)
+    chunk = min(head_chunk, tokens)
+    return chunk * m.vocab_size * (b + CHUNK_LOGIT_BYTES) + tokens * m.hidden_size * b
+
+
+def communicators(mesh: dict[str, int]) -> int:
+    """NCCL communicators a trainer rank holds: the world's, FSDP's, and one per further mesh
+    dimension it uses (experts' FSDP group and EP's, CP's, HSDP's replicas); rank 0 also
+    holds the weight-broadcast group's."""
+    count = 2
+    count += 2 if mesh.get("ep", 1) > 1 else 0
+    count += 1 if mesh.get("cp", 1) > 1 else 0
+    count += 1 if mesh["dp_replicate"] > 1 else 0
+    return count + 1
 
 
 @dataclass(frozen=True)

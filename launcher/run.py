@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,11 @@ def launch(cfg: DictConfig) -> None:
         from launcher import slurm
         from launcher.status import status
 
-        actions = {Action.status: status, Action.cancel: slurm.cancel, Action.export: export}
+        actions = {
+            Action.status: status,
+            Action.cancel: slurm.cancel,
+            Action.export: partial(export, step=cfg.step),
+        }
         try:  # the runs are found under the outputs folder, two levels above this one's
             actions[cfg.action](cfg.run_dir, run_dir.parent.parent)
         finally:
@@ -209,11 +214,16 @@ def _remove_if_empty(run_dir: Path) -> None:
             return
 
 
-def export(run_dir: str | None, outputs: Path) -> None:
-    """Print where the run's newest published version is as full HF weights (a LoRA run's
-    adapter merged into its base first)."""
+def export(run_dir: str | None, outputs: Path, step: int | None = None) -> None:
+    """Print where the run's newest published version (or step `step`'s version or kept
+    checkpoint) is as full HF weights, written there first where it has to be (a LoRA run's
+    adapter merged into its base, a checkpoint's master weights in the model's dtype)."""
+    from launcher.errors import PlanError
     from launcher.status import find_run
-    from rl.weights.lora import export as export_weights
+    from rl.trainer.export import export as export_weights
 
     run = find_run(run_dir, outputs)
-    print(f"full weights: {export_weights(run)}")
+    try:
+        print(f"full weights: {export_weights(run, step)}")
+    except ValueError as err:
+        raise PlanError(str(err)) from None

@@ -9,13 +9,15 @@ the planner and its tests see the same numbers; no torch, no I/O but `nvidia-smi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
 from launcher.balance import generation, sync_seconds, train_seconds, workload
 from launcher.errors import PlanError, refuse
+from launcher.gpus import SPECS, kind_of
 from launcher.gpus import describe as describe_gpus
 from launcher.gpus import detect as detect_gpus
 from launcher.memory import (
@@ -24,20 +26,25 @@ from launcher.memory import (
     GIB,
     InferenceMemory,
     TrainerMemory,
+    TrainerOptions,
     inference_memory,
     trainer_memory,
 )
-from rl.core.config import Backend, ClusterKind, Placement
+from rl.core.config import Backend, ClusterKind, Gpu, Placement
 from rl.core.derive import (
     CHECKPOINT_COPIES,
     LayoutError,
     inference_backend,
     kept_versions,
     max_model_len,
+    precision,
     trainer_dims,
 )
 
-ONE_PROCESS = {"world": 1, "dp_replicate": 1}  # a trainer mesh of one rank
+ONE_PROCESS = {"world": 1, "dp_replicate": 1, "cp": 1, "ep": 1}  # a trainer mesh of one rank
+
+MIN_TOKENS_PER_CP_RANK = 64
+"""Fewest tokens of a sequence per context-parallel rank for which splitting it pays off."""
 
 
 HOST_FRACTION = 0.8
@@ -46,18 +53,37 @@ pinned buffers, page cache)."""
 
 
 def fill_gpus(cfg: DictConfig) -> str | None:
-    """Fill in `cluster.gpus_per_node` and `gpu_memory_gb` where they are None: on
-    cluster=local from the GPUs `nvidia-smi` finds here (launcher/gpus.py), elsewhere 0.
-    Returns what was found, for the plan's notes (None when both were declared)."""
+    """Fill in `cluster.gpus_per_node`, `gpu` and the GPU's figures where they are None: on
+    cluster=local from the GPUs `nvidia-smi` finds here (launcher/gpus.py), elsewhere from
+    `cluster.gpu`'s (none: no GPUs). Returns what was found here, for the plan's notes (None
+    when nothing was looked for)."""
     cluster = cfg.cluster
-    if cluster.gpus_per_node is not None and cluster.gpu_memory_gb is not None:
-        return None
-    found = detect_gpus() if cluster.kind == ClusterKind.local else []
+    local = cluster.kind == ClusterKind.local
+    unknown = cluster.gpus_per_node is None or cluster.gpu_memory_gb is None
+    look = local and (unknown or (cluster.gpu is None and bool(cluster.gpus_per_node)))
+    found = detect_gpus() if look else []
     if cluster.gpus_per_node is None:
         decide(cluster, "gpus_per_node", len(found))
+    if cluster.gpu is None and found and (kind := kind_of(found[0].name)) is not None:
+        decide(cluster, "gpu", kind)
+    spec = SPECS.get(Gpu(cluster.gpu)) if cluster.gpu is not None else None
     if cluster.gpu_memory_gb is None:
-        decide(cluster, "gpu_memory_gb", min((g.memory_gb for g in found), default=0.0))
-    return describe_gpus(found) if cluster.kind == ClusterKind.local else None
+        memory = min((g.memory_gb for g in found), default=0.0)
+        decide(cluster, "gpu_memory_gb", memory or (spec.memory_gb if spec else 0.0))
+    if cluster.gpus_per_node:
+        figures = spec or SPECS[FALLBACK_GPU]
+        for key, value in (
+            ("gpu_tflops", figures.tflops),
+            ("gpu_bandwidth_gbs", figures.bandwidth_gbs),
+            ("link_gbs", figures.link_gbs),
+        ):
+            if getattr(cluster, key) is None:
+                decide(cluster, key, value)
+    return describe_gpus(found) if look else None
+
+
+FALLBACK_GPU = Gpu.h100
+"""Whose figures time a run on GPUs the planner does not know (cluster.gpu unset)."""
 
 
 def decide(node: Any, key: str, value: Any) -> None:
@@ -72,53 +98,134 @@ def decide(node: Any, key: str, value: Any) -> None:
 
 def trainer_nodes(cfg: DictConfig) -> int:
     """Nodes for the trainer: as configured, or (nodes=0) the fewest whose GPUs hold a rank's
-    memory, with activation checkpointing or CPU offload turned on where that takes it."""
+    memory, with what `trainer_options` turns on where that takes it."""
     cluster, par = cfg.cluster, cfg.parallel.trainer
     if not (cluster.gpus_per_node and cluster.gpu_memory_gb) or par.nodes:
         return max(par.nodes, 1)
     for nodes in range(1, cluster.nodes + 1):
-        try:
-            mesh = trainer_mesh(cfg, nodes)
-        except PlanError:
-            continue
-        if fit_trainer(cfg, mesh) is not None:
+        if fit_trainer(cfg, nodes) is not None:
             return nodes
-    mesh = trainer_mesh(cfg, cluster.nodes)
-    refuse_trainer_memory(cfg, mesh, "cluster.nodes")
+    refuse_trainer_memory(cfg, cluster.nodes, "cluster.nodes")
     raise AssertionError("refused above")
 
 
-def trainer_options(cfg: DictConfig) -> list[tuple[bool, bool]]:
-    """(activation checkpointing, CPU offload) as configured, then each turned on in turn."""
-    ckpt, offload = bool(cfg.trainer.activation_checkpointing), bool(cfg.trainer.cpu_offload)
-    options = [(ckpt, offload), (True, offload), (True, True)]
-    return list(dict.fromkeys(options))
+HEAD_CHUNK = 2048
+"""Tokens per chunk of the LM head where the plan turns chunking on (prime-rl's fused head
+uses the same)."""
+
+CP_DEGREES = (2, 4, 8)
+"""Context-parallel degrees the plan may choose: within one node's NVLink domain."""
 
 
-def fit_trainer(cfg: DictConfig, mesh: dict[str, int]) -> TrainerMemory | None:
-    """The first of `trainer_options` under which one rank fits its GPU (and the offloaded
-    state its node's host memory), or None."""
-    ranks = min(mesh["world"], cfg.cluster.gpus_per_node)
-    for ckpt, offload in trainer_options(cfg):
-        mem = trainer_memory(cfg, mesh, ckpt, offload)
-        if mem.fits and mem.host_per_gpu * ranks <= cfg.cluster.mem_gb_per_node * HOST_FRACTION:
+def trainer_options(cfg: DictConfig) -> list[tuple[TrainerOptions, int]]:
+    """(options, context-parallel degree) in the order the plan tries them: as configured,
+    then activation checkpointing, the LM head in chunks, context parallelism (each larger
+    degree the model and the served length allow), activation offload, FSDP's CPU offload of
+    the optimiser state (without, then with activation offload)."""
+    trainer = cfg.trainer
+    configured = TrainerOptions(
+        bool(trainer.activation_checkpointing),
+        int(trainer.lm_head_chunk),
+        bool(trainer.activation_offload),
+        bool(trainer.cpu_offload),
+    )
+    checkpointed = replace(configured, checkpointing=True)
+    chunked = replace(checkpointed, head_chunk=configured.head_chunk or HEAD_CHUNK)
+    offloaded = replace(chunked, activation_offload=True)
+    state_on_host = replace(chunked, offload=True)
+    both = replace(offloaded, offload=True)
+    degrees = context_degrees(cfg)
+    order = [(configured, degrees[0]), (checkpointed, degrees[0]), (chunked, degrees[0])]
+    order += [(chunked, cp) for cp in degrees[1:]]
+    order += [(offloaded, cp) for cp in degrees]
+    order += [(state_on_host, cp) for cp in degrees] + [(both, cp) for cp in degrees]
+    return list(dict.fromkeys(order))
+
+
+def context_degrees(cfg: DictConfig) -> list[int]:
+    """`parallel.trainer.cp`, then the larger degrees the plan may choose: none for a model
+    whose attention context parallelism does not split (DeepSeek sparse attention's indexer),
+    and none that leaves a rank fewer than MIN_TOKENS_PER_CP_RANK of the longest sample."""
+    configured = int(cfg.parallel.trainer.cp)
+    if cfg.model.index_n_heads:
+        return [configured]
+    longest = max_model_len(cfg)
+    gpus = cfg.cluster.gpus_per_node or 1
+    larger = [
+        cp
+        for cp in CP_DEGREES
+        if configured < cp <= gpus and longest >= cp * MIN_TOKENS_PER_CP_RANK
+    ]
+    return [configured, *larger]
+
+
+def fit_trainer(cfg: DictConfig, nodes: int) -> TrainerMemory | None:
+    """The first of `trainer_options` under which one rank of a trainer on `nodes` nodes fits
+    its GPU (and what it offloads its node's host memory), or None."""
+    for options, cp in trainer_options(cfg):
+        try:
+            mesh = trainer_mesh(cfg, nodes, cp)
+        except PlanError:
+            continue
+        mem = trainer_memory(cfg, mesh, options)
+        if mem.fits and host_fits(cfg, mem):
             return mem
     return None
 
 
-def refuse_trainer_memory(cfg: DictConfig, mesh: dict[str, int], key: str) -> None:
-    ckpt, offload = trainer_options(cfg)[-1]
-    mem = trainer_memory(cfg, mesh, ckpt, offload)
+def host_fits(cfg: DictConfig, mem: TrainerMemory) -> bool:
+    ranks = min(mem.mesh["world"], cfg.cluster.gpus_per_node)
+    return mem.host_per_gpu * ranks <= cfg.cluster.mem_gb_per_node * HOST_FRACTION
+
+
+def refuse_trainer_memory(cfg: DictConfig, nodes: int, key: str) -> None:
+    """Refuse a trainer that does not fit with everything turned on, naming every term, and
+    the longest sample that would fit."""
+    options, mesh = _last_resort(cfg, nodes)
+    mem = trainer_memory(cfg, mesh, options)
     ranks = min(mesh["world"], cfg.cluster.gpus_per_node)
+    tried = ", ".join(options.describe() + ([f"cp={mesh['cp']}"] if mesh["cp"] > 1 else []))
+    why_not_cp = (
+        "; context parallelism does not split this model's sparse-attention indexer"
+        if cfg.model.index_n_heads
+        else ""
+    )
+    longest = longest_fitting(cfg, mesh, options)
+    shorter = (
+        f", a served length of at most {longest:,} tokens "
+        f"(environment.max_context_tokens; this run serves {max_model_len(cfg):,})"
+        if longest and longest < max_model_len(cfg)
+        else ""
+    )
     refuse(
         key,
         f"model={cfg.model.name} does not fit {mesh['world']} trainer GPUs of "
-        f"{cfg.cluster.gpu_memory_gb:g} GiB even with activation checkpointing and CPU "
-        f"offload: per GPU {mem.describe()}, and {mem.host_per_gpu * ranks:.0f} GiB of host "
-        f"memory per node (of {cfg.cluster.mem_gb_per_node} x {HOST_FRACTION:g}); use more "
-        f"trainer nodes (parallel.trainer.nodes=0 sizes them) or a smaller "
-        f"trainer.micro_batch_tokens",
+        f"{cfg.cluster.gpu_memory_gb:g} GiB even with {tried}{why_not_cp}: per GPU "
+        f"{mem.describe()}, and {mem.host_per_gpu * ranks:.0f} GiB of host memory per node "
+        f"(of {cfg.cluster.mem_gb_per_node} x {HOST_FRACTION:g}); use more trainer nodes "
+        f"(parallel.trainer.nodes=0 sizes them), a smaller trainer.micro_batch_tokens{shorter}",
     )
+
+
+def _last_resort(cfg: DictConfig, nodes: int) -> tuple[TrainerOptions, dict[str, int]]:
+    """The last of `trainer_options` whose mesh forms on `nodes` nodes (else the configured
+    mesh): what a refusal shows."""
+    for options, cp in reversed(trainer_options(cfg)):
+        try:
+            return options, trainer_mesh(cfg, nodes, cp)
+        except PlanError:
+            continue
+    return trainer_options(cfg)[-1][0], trainer_mesh(cfg, nodes)
+
+
+def longest_fitting(cfg: DictConfig, mesh: dict[str, int], options: TrainerOptions) -> int:
+    """The longest served length (tokens) under which one trainer rank fits, 0 for none."""
+    fits = lambda served: trainer_memory(cfg, mesh, options, served).fits  # noqa: E731
+    low, high = 0, max_model_len(cfg)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
 
 
 def replica_nodes(cfg: DictConfig) -> int:
@@ -165,10 +272,14 @@ def replica_memory(cfg: DictConfig, nodes: int) -> InferenceMemory:
     return inference_memory(cfg, gpus, max_model_len(cfg), stages)
 
 
-def trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
-    """Trainer degrees with dp_shard=-1 resolved (rl/core/derive.py); checks the ranks split evenly
-    over the trainer's nodes. On CPU the degrees alone say how many ranks there are."""
+def trainer_mesh(cfg: DictConfig, trainer_nodes: int, cp: int | None = None) -> dict[str, int]:
+    """Trainer degrees with dp_shard=-1 resolved (rl/core/derive.py), with context-parallel
+    degree `cp` where given (the plan's choice); checks the ranks split evenly over the
+    trainer's nodes. On CPU the degrees alone say how many ranks there are."""
     par, gpus = cfg.parallel.trainer, cfg.cluster.gpus_per_node
+    if cp is not None and cp != par.cp:
+        keys = ("tp", "dp_replicate", "dp_shard", "ep")
+        par = SimpleNamespace(cp=cp, **{key: getattr(par, key) for key in keys})
     try:
         dims = trainer_dims(par, trainer_nodes * gpus if gpus else None)
     except LayoutError as err:
@@ -183,17 +294,22 @@ def trainer_mesh(cfg: DictConfig, trainer_nodes: int) -> dict[str, int]:
     return dims.as_dict()
 
 
-def check_trainer_memory(cfg: DictConfig, mesh: dict[str, int]) -> TrainerMemory | None:
-    """One rank's memory fits its GPU: activation checkpointing, then CPU offload, turned on
-    (and recorded in the config) where needed; refused with the numbers otherwise."""
+def check_trainer_memory(cfg: DictConfig, nodes: int) -> TrainerMemory | None:
+    """One rank's memory fits its GPU: what `trainer_options` lists turned on (and recorded in
+    the config: the trainer's settings, and the context-parallel degree) where needed;
+    refused with the numbers otherwise."""
     if not (cfg.cluster.gpus_per_node and cfg.cluster.gpu_memory_gb):
         return None
-    mem = fit_trainer(cfg, mesh)
+    mem = fit_trainer(cfg, nodes)
     if mem is None:
-        refuse_trainer_memory(cfg, mesh, f"parallel={cfg.parallel.name}")
+        refuse_trainer_memory(cfg, nodes, f"parallel={cfg.parallel.name}")
         raise AssertionError("refused above")
-    decide(cfg.trainer, "activation_checkpointing", mem.checkpointing)
-    decide(cfg.trainer, "cpu_offload", mem.offload)
+    options = mem.options
+    decide(cfg.trainer, "activation_checkpointing", options.checkpointing)
+    decide(cfg.trainer, "lm_head_chunk", options.head_chunk)
+    decide(cfg.trainer, "activation_offload", options.activation_offload)
+    decide(cfg.trainer, "cpu_offload", options.offload)
+    decide(cfg.parallel.trainer, "cp", mem.mesh["cp"])
     return mem
 
 
@@ -365,10 +481,11 @@ def shared_split(cfg: DictConfig) -> Split:
 
     - inference: the served weights, a KV cache for the step's sequences (at least one of
       the served length; prompts counted as long as completions) and a CUDA context;
-    - trainer: one process's memory as launcher/memory.py counts it (weights, gradients and
-      AdamW's moments in the training dtype, activations for `trainer.micro_batch_tokens`
-      with or without activation checkpointing, the logits) and a CUDA context. One process
-      offloads nothing: `trainer.cpu_offload` is FSDP's."""
+    - trainer: one process's memory as launcher/memory.py counts it (float32 master weights,
+      gradients and AdamW's moments, and autocast's copy of the weights in the compute dtype;
+      activations for the largest micro-batch, with or without activation checkpointing; the
+      logits, whole or a chunk) and a CUDA context. One process offloads nothing:
+      `trainer.cpu_offload` is FSDP's."""
     model, env, trainer = cfg.model, cfg.environment, cfg.trainer
     serve = model.inference
     kv_bytes = 1 if serve.kv_cache_dtype.startswith("fp8") else serve_bytes_per_param(cfg)
@@ -376,13 +493,15 @@ def shared_split(cfg: DictConfig) -> Split:
     sequences = min(env.prompts_per_step * env.group_size, cfg.inference.max_batch_size)
     kv_tokens = max(max_model_len(cfg), sequences * 2 * env.max_tokens)
     checkpointing = bool(trainer.activation_checkpointing)
-    terms = trainer_memory(cfg, ONE_PROCESS, checkpointing, offload=False).terms
+    options = TrainerOptions(checkpointing, int(trainer.lm_head_chunk))
+    terms = trainer_memory(cfg, ONE_PROCESS, options).terms
+    state = ("parameters", "gradients", "optimizer", "compute copy")
     return Split(
         gpu=cfg.cluster.gpu_memory_gb,
         weights=model.total_params_b * 1e9 * serve_bytes_per_param(cfg) / GIB,
         kv_cache=kv_tokens * per_token / GIB,
-        trainer_state=terms["parameters"] + terms["gradients"] + terms["optimizer"],
-        activations=terms["activations"] + terms["logits"],
+        trainer_state=sum(terms.get(term, 0.0) for term in state),
+        activations=terms["activations"] + terms["attention"] + terms["logits"],
         checkpointing=checkpointing,
     )
 
@@ -393,13 +512,16 @@ def format_split(split: Split, cfg: DictConfig) -> str:
         if cfg.placement == Placement.colocated
         else "side by side"
     )
+    tokens = max(int(cfg.trainer.micro_batch_tokens), max_model_len(cfg))
+    chunk = int(cfg.trainer.lm_head_chunk)
+    head = f", the LM head in chunks of {chunk:,}" if chunk else ""
     return (
         f"one GPU ({split.gpu:g} GB) shared by inference and trainer, {how}: "
         f"inference {split.inference:.1f} GB (--gpu-memory-utilization {split.utilization}: "
         f"weights {split.weights:.1f} + KV cache {split.kv_cache:.1f} + context "
         f"{CUDA_CONTEXT_GB:g}), trainer {split.trainer:.1f} GB (state {split.trainer_state:.1f} "
-        f"+ activations {split.activations:.1f} for {cfg.trainer.micro_batch_tokens} tokens"
-        f"{' with activation checkpointing' if split.checkpointing else ''} + context "
+        f"+ activations {split.activations:.1f} for micro-batches of up to {tokens:,} tokens"
+        f"{' with activation checkpointing' if split.checkpointing else ''}{head} + context "
         f"{CUDA_CONTEXT_GB:g}), {split.gpu - split.utilization * split.gpu - split.trainer:.1f} "
         f"GB spare"
     )
@@ -407,34 +529,47 @@ def format_split(split: Split, cfg: DictConfig) -> str:
 
 def check_shared_gpu(cfg: DictConfig) -> str | None:
     """Fail before anything starts when inference and trainer cannot share the GPU; turn on
-    activation checkpointing when that alone makes them fit, and return a note saying so."""
+    activation checkpointing, then the LM head in chunks, where that makes them fit, and
+    return a note saying so."""
     if not cfg.cluster.gpu_memory_gb:
         refuse(
             "cluster.gpus_per_node=1",
             "inference and trainer share the one GPU, which needs its memory to split: set "
             "cluster.gpu_memory_gb (nvidia-smi reports it where it runs)",
         )
-    split = shared_split(cfg)
+    trainer = cfg.trainer
+    split = first = shared_split(cfg)
+    configured = {key: trainer[key] for key in ("activation_checkpointing", "lm_head_chunk")}
+    turned_on = []
+    for key, value in (
+        ("activation_checkpointing", True),
+        ("lm_head_chunk", trainer.lm_head_chunk or HEAD_CHUNK),
+    ):
+        if split.fits:
+            break
+        if trainer[key] != value:
+            decide(trainer, key, value)
+            turned_on.append(f"trainer.{key}={str(value).lower()}")
+            split = shared_split(cfg)
     if split.fits:
-        return None
-    if not cfg.trainer.activation_checkpointing:
-        decide(cfg.trainer, "activation_checkpointing", True)
-        if shared_split(cfg).fits:
-            return (
-                f"trainer.activation_checkpointing turned on: without it the trainer needs "
-                f"{split.trainer:.1f} GB of the shared GPU"
-            )
-        decide(cfg.trainer, "activation_checkpointing", False)
-    need = split.utilization * split.gpu + split.trainer
+        if not turned_on:
+            return None
+        return (
+            f"{' and '.join(turned_on)} turned on: without, the trainer needs "
+            f"{first.trainer:.1f} GB of the shared GPU"
+        )
+    for key, value in configured.items():  # nothing half-changed
+        decide(trainer, key, value)
+    need = first.utilization * first.gpu + first.trainer
     refuse(
         "cluster.gpus_per_node=1",
-        f"model={cfg.model.name} does not fit one {split.gpu:g} GB GPU shared by inference "
-        f"({split.inference:.1f} GB: weights {split.weights:.1f}, KV cache {split.kv_cache:.1f}) "
-        f"and trainer ({split.trainer:.1f} GB: state {split.trainer_state:.1f}, activations "
-        f"{split.activations:.1f}), {need:.1f} GB in all; to fit: "
-        f"trainer.activation_checkpointing=true, a smaller trainer.micro_batch_tokens, a "
-        f"shorter model.inference.max_model_len, or a GPU each (one process offloads nothing: "
-        f"trainer.cpu_offload is FSDP's)",
+        f"model={cfg.model.name} does not fit one {first.gpu:g} GB GPU shared by inference "
+        f"({first.inference:.1f} GB: weights {first.weights:.1f}, KV cache {first.kv_cache:.1f}) "
+        f"and trainer ({first.trainer:.1f} GB: state {first.trainer_state:.1f}, activations "
+        f"{first.activations:.1f}), {need:.1f} GB in all, {split.trainer:.1f} GB for the "
+        f"trainer with activation checkpointing and the LM head in chunks; to fit: a smaller "
+        f"trainer.micro_batch_tokens, a shorter model.inference.max_model_len, or a GPU each "
+        f"(one process offloads nothing: trainer.cpu_offload is FSDP's)",
     )
 
 
@@ -464,7 +599,9 @@ def size_run(cfg: DictConfig) -> Footprint:
     trainer = balance_layout(cfg, trainer_nodes(cfg), replica)
     mesh = trainer_mesh(cfg, trainer)
     shared = shared_gpu(cfg)  # its one GPU's split is checked on its own (check_shared_gpu)
-    memory = None if shared else check_trainer_memory(cfg, mesh)
+    memory = None if shared else check_trainer_memory(cfg, trainer)
+    if memory is not None:
+        mesh = memory.mesh  # with the context-parallel degree it chose
     check_cluster(cfg, trainer, replica)
     check_inference_layout(cfg, replica)
     notes: list[str] = []
@@ -494,21 +631,18 @@ def balance_layout(cfg: DictConfig, fewest_trainer: int, replica: int) -> int:
     options = []
     trainers = range(fewest_trainer, cluster.nodes + 1) if auto_trainer else [fewest_trainer]
     for nodes in trainers:
-        try:
-            fit = fit_trainer(cfg, trainer_mesh(cfg, nodes))
-        except PlanError:
-            continue
+        fit = fit_trainer(cfg, nodes)
         if fit is None:
             continue
-        train = train_seconds(
-            cfg, work, nodes * cluster.gpus_per_node, fit.offload, fit.checkpointing
-        )
+        train = train_seconds(cfg, work, nodes * cluster.gpus_per_node, fit.options)
         for replicas in range(1, cluster.nodes + 1) if auto_replicas else [inf.replicas]:
             used = nodes + inference_nodes(cfg, replica, replicas)
             if used > cluster.nodes:
                 break
             gen = generation(cfg, work, mem, gpus, replicas, disaggregated(cfg)).seconds
-            sync = sync_seconds(cfg, replicas * pd_factor(cfg))
+            sync = sync_seconds(
+                cfg, replicas * pd_factor(cfg), nodes * cluster.gpus_per_node
+            ).seconds
             options.append((max(train, gen) + sync, used, nodes, replicas))
     if not options:  # check_cluster says why
         if auto_replicas:
@@ -529,8 +663,10 @@ class DiskNeed:
     small beside them on any model worth checking)."""
 
     checkpoints: int
-    """Checkpoints written from the run's start (or resume) to its end; none is deleted."""
+    """Checkpoints on disk at once: the newest `trainer.keep_checkpoints`, the one being
+    written before the oldest goes, and those of `keep_checkpoint_steps`."""
     checkpoint_bytes: float
+    """One checkpoint: the float32 master weights and AdamW's two moments."""
     versions: int
     """Published versions on disk at once: version 0, `kept_versions`, and the one being
     written before the oldest goes."""
@@ -550,14 +686,18 @@ class DiskNeed:
 def disk_need(cfg: DictConfig, done: int = 0) -> DiskNeed:
     """What the run needs on disk from step `done` on (0: a new run; a resume has its
     versions and reference on disk already, and needs one more version at most)."""
-    model, trainer = cfg.model, cfg.trainer
-    weights = model.total_params_b * 1e9 * DTYPE_BYTES.get(model.dtype, 4)
+    model, trainer, dtypes = cfg.model, cfg.trainer, precision(cfg)
+    count = model.total_params_b * 1e9
+    weights = count * DTYPE_BYTES.get(model.dtype, 4)
     every, steps = trainer.checkpoint_every, cfg.max_steps
-    checkpoints = steps // every - done // every if every else 0
+    written = steps // every - done // every if every else 0
     if steps > done and (not every or steps % every):
-        checkpoints += 1  # the last step's
+        written += 1  # the last step's
+    named = {s for s in trainer.keep_checkpoint_steps if done < s <= steps}
+    checkpoints = min(written, trainer.keep_checkpoints + 1 + len(named))
     versions = 1 + min(steps, kept_versions(cfg) + 1) if done == 0 else 1
     if model.lora.rank:  # checkpoints and versions after 0 hold the adapter: small
         return DiskNeed(checkpoints, 0.0, 1 if done == 0 else 0, weights, 0.0)
-    reference = weights if cfg.algorithm.kl_coef > 0 and done == 0 else 0.0
-    return DiskNeed(checkpoints, CHECKPOINT_COPIES * weights, versions, weights, reference)
+    master = CHECKPOINT_COPIES * count * DTYPE_BYTES[dtypes.master]
+    reference = count * DTYPE_BYTES[dtypes.compute] if cfg.algorithm.kl_coef and not done else 0
+    return DiskNeed(checkpoints, master, versions, weights, float(reference))

@@ -175,8 +175,11 @@ def test_dry_run_glm5_slurm_prints_plan() -> None:
         "rl.trainer.torchrun",
         "--enable-expert-parallel",
         "--quantization fp8",
-        "--nnodes 17",  # the balance rule's trainer: 17 nodes with checkpointing
-        "weight sync: 746 GB per version by NCCL broadcast",
+        # The balance rule's trainer: 21 nodes, with checkpointing and the float32 master
+        # state on the host (a step's weight sync, ~58 s, outweighs the offload's cost).
+        "--nnodes 21",
+        "weight sync ~58.2 s a version: rank 0 gathers 1,488 GB (bfloat16)",
+        "then broadcasts 746 GB by NCCL",
         "kv_producer",
     ):
         assert needle in text, needle

@@ -30,6 +30,8 @@ cache = parallel.cache  # the module's model cache (a fixture)
 
 EP = "parallel.trainer.ep=2"
 AC = "trainer.activation_checkpointing=true"
+OFFLOAD = "trainer.activation_offload=true"
+CHUNK = "trainer.lm_head_chunk=5"
 KL = ["algorithm=grpo", "algorithm.kl_coef=1.0"]  # GRPO's loss is the one with a KL term
 # Layouts whose one step is compared with a single process: id -> (world, model, options,
 # shards: the degree each weight is split over).
@@ -45,7 +47,14 @@ LAYOUTS = {
     "efsdp2xep2-glm5": (4, "tiny_glm5", ["parallel=fsdp", EP], 4),
     "hsdp2-ep2-minimax": (4, "tiny_minimax_m2", ["parallel=hsdp", EP], 2),
     "cp2": (2, "tiny", ["parallel=cp2"], 2),
+    # One sample a row: CP's causal attention without a mask.
     "fsdp2xcp2-unpacked": (4, "tiny", ["parallel=cp2", "trainer.packing=false"], 4),
+    # The LM head in chunks (of 5 positions: several per micro-batch), alone, under CP, with
+    # expert parallelism and with activation checkpointing whose block inputs are offloaded.
+    "single-chunked-head": (1, "tiny", ["parallel=single", CHUNK], 1),
+    "cp2-chunked-head": (2, "tiny", ["parallel=cp2", CHUNK], 2),
+    "ep2-glm5-chunked-head": (2, "tiny_glm5", ["parallel=fsdp", EP, CHUNK], 2),
+    "fsdp2-offloaded-checkpoints": (2, "tiny", ["parallel=fsdp", AC, OFFLOAD, CHUNK], 2),
 }
 
 

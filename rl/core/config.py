@@ -147,6 +147,27 @@ class TrainerDevice(StrEnum):
     cpu = "cpu"
 
 
+class Gpu(StrEnum):
+    """A GPU the planner knows the figures of (launcher/gpus.py: memory, bf16 TFLOP/s, HBM and
+    network bandwidth)."""
+
+    h100 = "h100"
+    h200 = "h200"
+    b200 = "b200"
+    a100 = "a100"
+    a100_40gb = "a100_40gb"
+    l40s = "l40s"
+    rtx4090 = "rtx4090"
+
+
+class TrainDtype(StrEnum):
+    """A floating-point dtype the trainer keeps or computes in."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class Backend(StrEnum):
     embedded = "embedded"
     vllm = "vllm"
@@ -467,9 +488,17 @@ class ClusterConfig:
     gpus_per_node: int | None = None
     """GPUs on each node (0: CPU-only); None: on cluster=local, the GPUs `nvidia-smi` finds
     here (0 without one), on Slurm 0."""
+    gpu: Gpu | None = None
+    """Which GPU the nodes have (h100, h200, b200, a100, a100_40gb, l40s, rtx4090): its memory,
+    bf16 TFLOP/s, HBM and network bandwidth fill the four settings below where they are
+    unset (launcher/gpus.py); None: on cluster=local, the one `nvidia-smi` names."""
     gpu_memory_gb: float | None = None
-    """Memory of one GPU in GiB, for the planner's fit checks (0 skips them); None: what
-    `nvidia-smi` reports on cluster=local, else 0."""
+    """Memory of one GPU in GiB, for the planner's fit checks (0 skips them); None: the
+    `gpu`'s (as `nvidia-smi` reports it: 79.6 for an H100 80GB), what `nvidia-smi` reports
+    on cluster=local, else 0."""
+    gpu_memory_reserve: float = bounded(0.05, ge=0, lt=1)
+    """Share of each trainer GPU's memory the plan leaves free: the caching allocator's
+    fragmentation, and what the memory model does not see."""
     cpus_per_node: int = 2
     """CPU cores per node."""
     mem_gb_per_node: int = 24
@@ -499,13 +528,15 @@ class ClusterConfig:
     None: the plan's estimate of a step and a checkpoint, with a margin (launcher/balance.py)."""
     cpu_partition: str | None = None
     """Slurm partition of the control job (queue and orchestrator, no GPUs); None: `partition`."""
-    gpu_tflops: float = bounded(989.0, gt=0)
-    """Dense bf16 peak of one GPU, TFLOP/s (H100 SXM), for the plan's time estimates."""
-    gpu_bandwidth_gbs: float = bounded(3350.0, gt=0)
-    """Memory bandwidth of one GPU, GB/s (H100 SXM), for the plan's decode estimate."""
-    link_gbs: float = bounded(50.0, gt=0)
-    """Network bandwidth per GPU between nodes, GB/s (one 400 Gb/s NIC per GPU), for the
-    weight-broadcast estimate."""
+    gpu_tflops: float | None = bounded(None, gt=0)
+    """Dense bf16 peak of one GPU, TFLOP/s, for the plan's time estimates; None: the `gpu`'s
+    (989 for an H100 SXM)."""
+    gpu_bandwidth_gbs: float | None = bounded(None, gt=0)
+    """Memory bandwidth of one GPU, GB/s, for the plan's decode estimate; None: the `gpu`'s
+    (3350 for an H100 SXM)."""
+    link_gbs: float | None = bounded(None, gt=0)
+    """Network bandwidth per GPU between nodes, GB/s, for the weight-sync estimates; None: the
+    `gpu`'s usual fabric (50: one 400 Gb/s NIC per H100)."""
     storage_gbs: float = bounded(20.0, gt=0)
     """Shared filesystem bandwidth, all nodes together, GB/s: checkpoints and published
     weights (the plan's estimates and the signal delay)."""
@@ -599,9 +630,23 @@ class TrainerConfig:
     checkpoints at the step it was stopped at."""
     keep_weights: int = bounded(3, ge=1)
     """Published weight versions kept on disk (older ones are deleted)."""
+    keep_checkpoints: int = bounded(2, ge=1)
+    """Trainer checkpoints kept on disk: the newest this many, and those of
+    `keep_checkpoint_steps`; an older one is deleted once a newer one is complete."""
+    keep_checkpoint_steps: list[int] = field(default_factory=list)
+    """Steps whose checkpoints are kept whatever `keep_checkpoints` says, to branch from or
+    export later (`rl action=export step=N`)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass (less memory, ~1/3 more
     compute)."""
+    lm_head_chunk: int = bounded(0, ge=0, note="0: the whole micro-batch's logits at once")
+    """Tokens per chunk of the LM head: the loss's log-probabilities computed a chunk at a
+    time, each chunk's logits recomputed in the backward pass, so that no pass holds a whole
+    sequence's logits (rl/trainer/head.py; the plan turns it on for long samples)."""
+    activation_offload: bool = False
+    """With activation checkpointing: keep each decoder block's input, all that is saved of it
+    for the backward pass, in host memory, copied back when the block is recomputed (the plan
+    turns it on when a long sample's block inputs do not fit the GPU)."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimiser state in host memory (the plan
     turns it on when the GPUs cannot hold them)."""
@@ -618,6 +663,16 @@ class TrainerConfig:
     device: TrainerDevice = TrainerDevice.auto
     """Where each rank computes: `auto` (its GPU when the cluster has GPUs and torch sees them,
     else the CPU), `cuda` or `cpu` (gloo collectives)."""
+    master_dtype: TrainDtype = TrainDtype.float32
+    """Dtype of the weights the optimizer updates, their gradients and AdamW's moments (the
+    master copy, a LoRA run's base included). float32: an update of lr 1e-6 on a weight of
+    1e-2 is below half a bfloat16 rounding step, so a bfloat16 master copy would drop it."""
+    compute_dtype: TrainDtype | None = None
+    """Dtype forward and backward run in (FSDP2 gathers the weights in it; one process runs
+    under autocast); None: `model.dtype`. Published versions are in `model.dtype` whatever
+    this is."""
+    reduce_dtype: TrainDtype = TrainDtype.float32
+    """Dtype gradients are summed across ranks in."""
 
 
 @dataclass
@@ -692,10 +747,14 @@ class RunConfig:
     action: Action = Action.run
     """`run` starts (locally) or submits (Slurm) the run; `status` shows the jobs and latest
     step of a run; `cancel` cancels a Slurm run's jobs and records why; `export` writes the
-    run's newest published version as full HF weights (a LoRA adapter merged into its base)."""
+    run's newest published version (or `step`'s version or checkpoint) as full HF weights (a
+    LoRA adapter merged into its base)."""
     run_dir: str | None = None
     """For action=status/cancel/export: the run directory; None: the newest run named
     `name`."""
+    step: int | None = bounded(None, ge=0)
+    """For action=export: the step to export, a published version or a kept checkpoint (its
+    float32 master weights written in the model's dtype); None: the newest published version."""
     resume: str | None = None
     """Continue the interrupted run in this directory, with the config it was started with."""
     max_restarts: int = bounded(3, ge=0, note="0 stops the run at the first death")

@@ -94,7 +94,7 @@ def exact_schedule(cfg: RunConfig) -> bool:
 
 
 CHECKPOINT_COPIES = 3
-"""What a trainer checkpoint holds of each trained parameter, in the model's dtype: its weight
+"""What a trainer checkpoint holds of each trained parameter, in the master dtype: its weight
 and AdamW's two moments (rl/trainer/checkpoint.py)."""
 
 
@@ -125,6 +125,30 @@ def inexact(cfg: RunConfig) -> list[str]:
     elif name == "verifiers":
         reasons.append("environment=verifiers: an environment may call out to other services")
     return reasons
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The trainer's dtypes, by name: the master copy the optimizer updates (and AdamW's
+    moments, and gradients), what forward and backward compute in, what gradients are reduced
+    in across ranks, and what versions are published in (the model's own dtype)."""
+
+    master: str
+    compute: str
+    reduce: str
+    published: str
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the computation runs in another dtype than the master copy."""
+        return self.compute != self.master
+
+
+def precision(cfg: RunConfig) -> Precision:
+    """`trainer.master_dtype`, `compute_dtype` (None: `model.dtype`), `reduce_dtype`."""
+    trainer, model_dtype = cfg.trainer, str(cfg.model.dtype)
+    compute = str(trainer.compute_dtype) if trainer.compute_dtype is not None else model_dtype
+    return Precision(str(trainer.master_dtype), compute, str(trainer.reduce_dtype), model_dtype)
 
 
 class LayoutError(ValueError):

@@ -511,6 +511,16 @@ class RunDir:
         steps = step_versions(self.checkpoints)
         return self.checkpoint_for(steps[-1]) if steps else None
 
+    def prune_checkpoints(self, keep: int, named: list[int]) -> list[int]:
+        """Delete all but the newest `keep` complete checkpoints and those of the `named`
+        steps; returns the steps deleted. Called once a new checkpoint is complete, so the
+        newest is never one being written."""
+        steps = step_versions(self.checkpoints)
+        gone = [s for s in steps[: max(len(steps) - keep, 0)] if s not in set(named)]
+        for step in gone:
+            shutil.rmtree(self.checkpoint_for(step), ignore_errors=True)
+        return gone
+
     def resume_point(self) -> str:
         """Where a resume of this run starts, in words: the step after the newest checkpoint."""
         steps = step_versions(self.checkpoints)

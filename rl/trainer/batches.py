@@ -13,6 +13,7 @@ from rl.core.chat import ChatTemplate
 from rl.core.model import encode_prompt
 from rl.core.records import Sample
 from rl.envs import Example
+from rl.trainer import head
 
 # A one-token sample for a pass that contributes nothing.
 IDLE = [Sample([0], [0], [0.0], reward=0.0, advantage=0.0, min_version=0, max_version=0)]
@@ -62,11 +63,20 @@ def chat_prompt(chat: ChatTemplate, prompt: str) -> list[int]:
 def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[Any, Any]:
     """Log-probability of each token given its prefix (position t scores token t), and the
     entropy of the predicting distribution; position 0 gets 0."""
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    logp_all = F.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if head.enabled(model):
+        rows, width = ids.shape[0], ids.shape[1] - 1
+        at = torch.arange(rows * width, device=ids.device)
+        targets = ids[:, 1:].reshape(-1)
+        picked, entropy = head.pair_logprobs(
+            model, at // width, at % width, targets, input_ids=ids, attention_mask=attention
+        )
+        picked, entropy = picked.view(rows, width), entropy.view(rows, width)
+    else:
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp_all = F.log_softmax(logits, dim=-1)
+        picked = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     zero = torch.zeros_like(picked[:, :1])
     return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
 

@@ -10,6 +10,10 @@ own sample when rows are packed). Memory for activations shrinks by cp; K/V are 
 length of one block's attention. A ring of K/V blocks would keep them split too; on CPU and
 for the lengths trained here the all-gather is the simpler exact choice.
 
+A row that holds one sample alone (a long one) needs no mask: each rank's queries attend to
+the keys up to their own with a causal bias aligned to the lower right (keys [0, hi) for
+queries [lo, hi)), which kernels compute without materialising it.
+
 Labels are shifted before the cut: the token each column predicts is taken from the whole row,
 so chunk boundaries lose nothing. Each rank computes log-probabilities for its own columns and
 they are gathered into the whole row on every rank, where the unchanged loss code runs. That
@@ -26,10 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from rl.trainer import head
 from rl.trainer.packing import next_token_logprobs, next_tokens
 
 ATTENTION = "relay_cp"
@@ -56,11 +62,16 @@ def cp_attention(
     # One gather for K and V: two would run their backward collectives in an order autograd
     # may choose differently on different ranks.
     keys, values = _Gather.apply(torch.stack((key, value)), 3, True, mesh)
+    mask = kwargs["cp_mask"]
+    if mask is None:  # one sample a row: this rank's queries see every key up to their own
+        end = (mesh.get_local_rank() + 1) * query.shape[2]
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        mask = causal_lower_right(query.shape[2], end)
     out = F.scaled_dot_product_attention(
         query,
         keys,
         values,
-        attn_mask=kwargs["cp_mask"],
+        attn_mask=mask,
         scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
@@ -110,11 +121,12 @@ class ContextParallel:
         model.config._attn_implementation = ATTENTION
 
     def next_token_logprobs(
-        self, model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self, model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For rows `ids` [R, W] with positions and a [R, W, W] boolean attention mask: the
-        log-probability of each column's next token and the entropy of the distribution
-        predicting it, [R, W] each (the last column predicts nothing: 0)."""
+        """For rows `ids` [R, W] with positions and a [R, W, W] boolean attention mask (None:
+        one sample a row, plain causal attention): the log-probability of each column's next
+        token and the entropy of the distribution predicting it, [R, W] each (the last column
+        predicts nothing: 0)."""
         rows, width = ids.shape
         chunk = -(-width // self.size)
         padded = chunk * self.size
@@ -122,18 +134,25 @@ class ContextParallel:
             extra = padded - width
             ids = F.pad(ids, (0, extra))
             positions = F.pad(positions, (0, extra))
-            mask = F.pad(mask, (0, extra, 0, extra)) | torch.eye(
-                padded, dtype=torch.bool, device=ids.device
-            )
+            if mask is not None:
+                mask = F.pad(mask, (0, extra, 0, extra)) | torch.eye(
+                    padded, dtype=torch.bool, device=ids.device
+                )
         targets = next_tokens(ids)  # shifted before the cut
         lo, hi = self.rank * chunk, (self.rank + 1) * chunk
-        logits = model(
-            input_ids=ids[:, lo:hi],
-            position_ids=positions[:, lo:hi],
-            cp_mask=mask[:, None, lo:hi, :],
-            cp_mesh=self.mesh,
-        ).logits
-        picked, entropy = next_token_logprobs(logits, targets[:, lo:hi])
+        inputs = {
+            "input_ids": ids[:, lo:hi],
+            "position_ids": positions[:, lo:hi],
+            "cp_mask": None if mask is None else mask[:, None, lo:hi, :],
+            "cp_mesh": self.mesh,
+        }
+        if head.enabled(model):
+            at = torch.arange(rows * chunk, device=ids.device)
+            local = targets[:, lo:hi].reshape(-1)
+            picked, entropy = head.pair_logprobs(model, at // chunk, at % chunk, local, **inputs)
+            picked, entropy = picked.view(rows, chunk), entropy.view(rows, chunk)
+        else:
+            picked, entropy = next_token_logprobs(model(**inputs).logits, targets[:, lo:hi])
         with torch.no_grad():
             whole_entropy = _Gather.apply(entropy, 1, False, self.mesh)
         whole = _Gather.apply(picked, 1, False, self.mesh)

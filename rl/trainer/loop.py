@@ -26,6 +26,7 @@ from rl.core.derive import (
     ParallelDims,
     learning_rate,
     max_model_len,
+    precision,
     trainer_dims,
 )
 from rl.core.disk import DiskFull, check_room, free_bytes, writing
@@ -45,25 +46,33 @@ from rl.core.runtime import (
 from rl.envs import make_environment
 from rl.trainer.batches import IDLE, micro_batch, sft_batch, token_logprobs
 from rl.trainer.checkpoint import (
-    full_state_dict,
     load_checkpoint,
     load_model_state,
     save_checkpoint,
     save_model_state,
 )
 from rl.trainer.loading import load_shards, materialize
-from rl.trainer.lora import adapter_start, nbytes, train_only, wrap
+from rl.trainer.lora import adapter_start, numel, train_only, wrap
 from rl.trainer.losses import LOSSES, loss_stats, reduce
-from rl.trainer.metrics import SUMMED_STATS, env_metrics, memory_metrics, step_metrics
+from rl.trainer.metrics import (
+    SUMMED_STATS,
+    BatchSummary,
+    env_metrics,
+    memory_metrics,
+    step_metrics,
+)
 from rl.trainer.packing import packed_logprobs
 from rl.trainer.parallel import (
     clip_grad_norm,
+    compute_context,
     local_parameter_bytes,
     local_tensor,
     parallelize,
     rank_device,
+    torch_dtype,
 )
 from rl.trainer.streaming import GatheredBlocks
+from rl.weights import lora as lora_versions
 from rl.weights.factory import make_publisher
 
 
@@ -81,9 +90,12 @@ class Trainer:
         self.base = self.built_base()
         self.device = rank_device(cfg)
         self.dims = self.mesh_dims()
+        self.precision = precision(cfg)
         self.tokenizer = load_tokenizer(self.base)
         self.model = self.build_model()
-        self.layout = parallelize(self.model, self.dims, cfg.trainer, self.device)
+        self.layout = parallelize(
+            self.model, self.dims, cfg.trainer, self.device, precision=self.precision
+        )
         self.load_weights()
         self.log.info(
             "mesh %s on %s: %.1f MB of parameters on this rank",
@@ -120,19 +132,24 @@ class Trainer:
 
     def build_model(self) -> Any:
         """The model before parallelism, on the meta device (shapes, no memory: every rank
-        reads its own shards once it is parallelized); with LoRA, wrapped with its adapter (a
-        resumed run's base is its version 0, the model after warm-up)."""
+        reads its own shards once it is parallelized), in the master dtype; with LoRA, wrapped
+        with its adapter (a resumed run's base is its version 0, the model after warm-up)."""
         cfg = self.cfg
         self.weights_source = self.lora_base() if lora_enabled(cfg.model) else self.base
         # In evaluation mode, as transformers loads a model (activation checkpointing,
         # applied later, switches to training mode).
-        model = empty_model(self.weights_source, dtype=cfg.model.dtype).eval()
-        # Bytes of a weight update (for LoRA, the adapter's) and of the full weights.
-        self.update_bytes = self.full_bytes = nbytes(model.parameters())
+        model = empty_model(self.weights_source, dtype=self.precision.master).eval()
+        model.config.dtype = self.precision.published  # what its versions' config.json say
+        # Bytes of a weight update (for LoRA, the adapter's) and of the full weights, as
+        # published; the elements the optimizer updates (a checkpoint's size).
+        published = torch_dtype(self.precision.published).itemsize
+        self.trained_numel = numel(model.parameters())
+        self.update_bytes = self.full_bytes = self.trained_numel * published
         if not lora_enabled(cfg.model):
             return model
         model = wrap(model, cfg.model, cfg.seed)  # before sharding: FSDP shards it too
-        self.update_bytes = nbytes(p for p in model.parameters() if p.requires_grad)
+        self.trained_numel = numel(p for p in model.parameters() if p.requires_grad)
+        self.update_bytes = self.trained_numel * published
         self.log.info(
             "LoRA rank %d on %s: a weight update moves %.3f MB, the full weights %.3f MB "
             "(%.1fx fewer)",
@@ -184,7 +201,8 @@ class Trainer:
             mine = picks[self.layout.dp_rank :: self.layout.dp_world]
             batch = sft_batch(self.tokenizer, [examples[i] for i in mine], chat, cfg.chat_share)
             ids, attention, completion = (t.to(self.device) for t in batch)
-            logp, _ = token_logprobs(self.model, ids, attention)
+            with compute_context(self.precision, self.dims, self.device):
+                logp, _ = token_logprobs(self.model, ids, attention)
             total = completion.sum().float()
             if self.world > 1:  # normalised by the whole batch's tokens, gradients summed
                 dist.all_reduce(total)  # (CP ranks count theirs cp times: they add cp grads)
@@ -248,7 +266,12 @@ class Trainer:
         }
 
     def logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token log-probabilities and entropies of a micro-batch, packed or padded."""
+        """Token log-probabilities and entropies of a micro-batch, packed or padded, computed
+        in the compute dtype (the results in float32)."""
+        with compute_context(self.precision, self.dims, self.device):
+            return self._logprobs(model, mb)
+
+    def _logprobs(self, model: Any, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layout.cp is not None and model is self.model:
             return packed_logprobs(model, mb["sequences"], self.layout.cp, self.cfg.trainer.packing)
         if self.cfg.trainer.packing:
@@ -319,25 +342,33 @@ class Trainer:
 
     def publish(self, version: int) -> None:
         """Policy `version` for inference, through the configured weight transport
-        (rl/weights/); rank 0 publishes. Under FSDP the weights are gathered block by block as
-        rank 0 writes or sends them (rl/trainer/streaming.py: every rank takes part, when rank
-        0 says there is anything to publish), a LoRA run's adapter in one gather."""
+        (rl/weights/), in the model's dtype; rank 0 publishes. The weights are walked block by
+        block as rank 0 writes or sends them (rl/trainer/streaming.py: under FSDP every rank
+        takes part in each block's gather, when rank 0 says there is anything to publish)."""
         if not self.on_rank_0(self.weights.wanted(version)):
             return
-        if self.dims.sharded and not lora_enabled(self.cfg.model):
-            blocks = GatheredBlocks(self.model, self.rank)
-            if self.rank != 0:
-                blocks.follow()
-                return
-            try:
-                self.weights.publish(version, self.model, self.tokenizer, blocks)
-            finally:
-                blocks.done()
+        blocks = self.version_blocks(version)
+        if blocks is None:  # one process, its master copy in the published dtype
+            if self.rank == 0:
+                self.weights.publish(version, self.model, self.tokenizer, None)
             return
-        # Gathered under FSDP (a collective); one process publishes its own module directly.
-        state = full_state_dict(self.model) if self.dims.sharded else None
-        if self.rank == 0:
-            self.weights.publish(version, self.model, self.tokenizer, state)
+        if self.rank != 0:
+            blocks.follow()
+            return
+        try:
+            self.weights.publish(version, self.model, self.tokenizer, blocks)
+        finally:
+            blocks.done()
+
+    def version_blocks(self, version: int) -> GatheredBlocks | None:
+        """The tensors version `version` holds, block by block, cast to the published dtype
+        (a LoRA run's: the base for version 0, the adapter after); None where one process
+        publishes its module as it is (its master dtype is the published one)."""
+        if not self.dims.sharded and self.precision.master == self.precision.published:
+            return None
+        dtype = torch_dtype(self.precision.published)
+        select = lora_versions.select(version) if lora_enabled(self.cfg.model) else None
+        return GatheredBlocks(self.model, self.rank, dtype, select)
 
     def checkpoint(self, step: int, with_optimizer: bool = True) -> None:
         """Model, optimiser and step as a DCP checkpoint in `checkpoints/step_N/` (every rank
@@ -346,7 +377,8 @@ class Trainer:
         target = self.run_dir.checkpoint_for(step)
         if self.on_rank_0(is_complete(target)):
             return
-        need = CHECKPOINT_COPIES * self.update_bytes  # the world's shards together
+        # The world's shards together: weights and AdamW's moments, in the master dtype.
+        need = CHECKPOINT_COPIES * self.trained_numel * torch_dtype(self.precision.master).itemsize
         if not self.on_rank_0(check_room(target, need) is None):  # every rank stops alike
             raise DiskFull(target, errno.ENOSPC, free_bytes(target), need)
         with writing(target, partial=target):  # a full disk: none of it is of use
@@ -361,6 +393,12 @@ class Trainer:
         dist.barrier()
         if self.rank == 0:
             mark_complete(target)
+            trainer = self.cfg.trainer
+            gone = self.run_dir.prune_checkpoints(
+                trainer.keep_checkpoints, list(trainer.keep_checkpoint_steps)
+            )
+            if gone:
+                self.log.info("checkpoints of steps %s deleted (trainer.keep_checkpoints)", gone)
 
     def reference_logprobs(self, mb: dict[str, Any]) -> torch.Tensor | None:
         """The KL reference's token logprobs of a micro-batch, where the loss has a KL term:
@@ -376,10 +414,12 @@ class Trainer:
     def make_reference(self) -> Any:
         """The KL reference: a frozen copy of the policy as it is now, built and sharded as the
         policy is (the same mesh), each rank copying its own shards: nothing is gathered, and
-        no rank holds the whole model."""
-        reference = empty_model(self.base, dtype=self.cfg.model.dtype)
+        no rank holds the whole model. Frozen, it is kept in the compute dtype."""
+        reference = empty_model(self.base, dtype=self.precision.compute)
         offload = self.cfg.trainer.cpu_offload and self.dims.sharded
-        parallelize(reference, self.dims, self.cfg.trainer, self.device, self.layout.mesh)
+        parallelize(
+            reference, self.dims, self.cfg.trainer, self.device, self.layout.mesh, self.precision
+        )
         materialize(reference, self.device, offload)
         with torch.no_grad():
             pairs = [
@@ -512,40 +552,48 @@ class Trainer:
     def record_step(
         self, step: int, batch: BatchShard, stats: dict[str, float], times: dict[str, float]
     ) -> None:
-        """Step `step + 1`'s record, written by rank 0 from the whole batch (a collective:
-        every rank takes part)."""
+        """Step `step + 1`'s record, written by rank 0 from the whole batch's summary (a
+        collective: every rank takes part)."""
         whole = self.whole_batch(batch.samples)
         if self.rank == 0:
             self.record(step, batch, whole, stats, times)
 
-    def whole_batch(self, samples: list[Sample]) -> list[Sample]:
-        """Every data-parallel rank's samples of the step, on every rank (the ranks of a CP
-        group hold the same ones: counted once), so that the step's numbers describe the whole
-        batch and not rank 0's shard."""
+    def whole_batch(self, samples: list[Sample]) -> BatchSummary:
+        """On rank 0, the summary of every data-parallel rank's samples of the step (the ranks
+        of a CP group hold the same ones: counted once), added in rank order, so that the
+        step's numbers describe the whole batch and not rank 0's shard. Each rank sends its
+        shard's summary only: a few hundred bytes whatever the batch (other ranks get None)."""
+        mine = BatchSummary.of(samples)
         if self.world == 1:
-            return samples
-        shards: list[Any] = [None] * self.world
-        dist.all_gather_object(shards, (self.layout.dp_rank, samples))
-        return [sample for part in dict(shards).values() for sample in part]
+            return mine
+        shards: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object((self.layout.dp_rank, mine), shards, dst=0)
+        if shards is None:
+            return BatchSummary()
+        parts = dict(sorted(dict(shards).items()))
+        whole = BatchSummary()
+        for part in parts.values():
+            whole = whole.add(part)
+        return whole
 
     def record(
         self,
         step: int,
         batch: BatchShard,
-        samples: list[Sample],
+        whole: BatchSummary,
         stats: dict[str, float],
         times: dict[str, float],
     ) -> None:
         """Append step `step + 1`'s record (rl/trainer/metrics.py), with the learning rate, the
         bytes a weight update moves, and memory."""
         record = {
-            **step_metrics(step, batch, samples, stats, times),
+            **step_metrics(step, batch, whole, stats, times),
             "lr": self.optimizer.param_groups[0]["lr"],
             "weights/update_bytes": self.update_bytes,  # what one version moves to inference
             "weights/full_bytes": self.full_bytes,
             **memory_metrics(self.device),
             "timestamp": time.time(),
-            **env_metrics(samples),
+            **env_metrics(whole),
         }
         self.run_dir.append_metrics(TrainRecord(step + 1, record).to_json())
         self.log.info(

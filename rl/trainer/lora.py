@@ -66,5 +66,5 @@ def train_only(model: Any, adapter: bool) -> None:
         param.requires_grad_(is_adapter_name(name) == adapter)
 
 
-def nbytes(tensors: Iterable[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def numel(tensors: Iterable[Any]) -> int:
+    return sum(t.numel() for t in tensors)

@@ -6,7 +6,10 @@ mask, so a row computes what separate forwards would. The per-token results come
 layout (one row per sample) that the losses read, so packing changes the cost, not the loss.
 
 The dense mask keeps attention cost per row at (row length)^2, the same bound as padding;
-what packing saves is the padded rows' work (the padding-waste benchmark measures it).
+what packing saves is the padded rows' work (the padding-waste benchmark measures it). A
+micro-batch whose rows each hold one sample (a sample longer than the budget is alone in its
+micro-batch) needs no mask: plain causal attention, whose kernels keep memory linear in the
+row's length, so that a long sample costs no (length)^2 mask.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rl.core.binpack import first_fit_decreasing
+from rl.trainer import head
 
 
 def padding_waste(lengths: list[int], rows: list[list[int]], width: int) -> float:
@@ -104,27 +108,55 @@ def packed_logprobs(
                 tail_col += n
             col += len(unit)
     ids, positions, segment, branch = (t.to(device) for t in (ids, positions, segment, branch))
-    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
-    visible = (branch[:, None, :] == -1) | (branch[:, :, None] == branch[:, None, :])
-    # Padding columns attend to themselves only, so no softmax row is empty.
-    mask = (same & visible & causal) | torch.eye(width, dtype=torch.bool, device=device)
     index = [torch.tensor(x, dtype=torch.long, device=device) for x in (at_row, at_col, target)]
-    if cp is None:
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None]).logits
-        logp_all = F.log_softmax(logits.float(), dim=-1)
-        picked = logp_all[index[0], index[1], index[2]]
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)[index[0], index[1]]
-    else:  # unshared rows: each column's target is the next column's token
+    mask = None
+    if not causal_rows(model, rows, groups):
+        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+        same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+        visible = (branch[:, None, :] == -1) | (branch[:, :, None] == branch[:, None, :])
+        # Padding columns attend to themselves only, so no softmax row is empty.
+        mask = (same & visible & causal) | torch.eye(width, dtype=torch.bool, device=device)
+    if cp is not None:  # unshared rows: each column's target is the next column's token
         whole, whole_entropy = cp.next_token_logprobs(model, ids, positions, mask)
         picked = whole[index[0], index[1]]
         entropy = whole_entropy[index[0], index[1]].detach()
+    elif mask is None:  # one sample a row: plain causal attention, no mask of width^2
+        picked, entropy = forward_logprobs(model, index, input_ids=ids)
+    else:
+        inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": mask[:, None]}
+        picked, entropy = forward_logprobs(model, index, **inputs)
     flat = torch.tensor(dest, dtype=torch.long, device=device)
     size = len(sequences) * longest
     logp = torch.zeros(size, device=device).index_put((flat,), picked)
     entropies = torch.zeros(size, device=device).index_put((flat,), entropy)
     return logp.view(len(sequences), longest), entropies.view(len(sequences), longest)
+
+
+def causal_rows(model: Any, rows: list[list[int]], groups: list[Unit]) -> bool:
+    """Whether every row holds one sample alone, so that attention within it is plain causal
+    attention (a long sample, alone in its micro-batch) and needs no mask: kernels then keep
+    attention's memory linear in the row's length. Not for DeepSeek sparse attention, whose
+    indexer reads the mask (transformers' implementation)."""
+    if getattr(model.config, "index_topk", None):
+        return False
+    return all(len(members) == 1 and len(groups[members[0]].members) == 1 for members in rows)
+
+
+def forward_logprobs(
+    model: Any, index: list[torch.Tensor], **inputs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probability of each target `index[2]` at (row, column) `index[0:2]` of the
+    model's forward over `inputs`, and the entropy there (no gradient): through the chunked
+    LM head where it is on, else from the whole logits."""
+    if head.enabled(model):
+        picked, entropy = head.pair_logprobs(model, *index, **inputs)
+        return picked, entropy.detach()
+    logits = model(**inputs).logits
+    logp_all = F.log_softmax(logits.float(), dim=-1)
+    picked = logp_all[index[0], index[1], index[2]]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)[index[0], index[1]]
+    return picked, entropy
 
 
 def next_tokens(ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,11 @@ per decoder block and at the root, over `dp_shard` (FSDP) or `dp_replicate x dp_
 sharded inside a group, replicated across groups), with a mixed-precision policy and optional
 CPU offload.
 
+Mixed precision as the field keeps it (`rl.core.derive.Precision`): parameters, their gradients
+and AdamW's moments in the master dtype (float32), forward and backward in the compute dtype
+(the model's, bfloat16 for every real model), gradients reduced across ranks in float32. FSDP2
+gathers each block's weights in the compute dtype; one process computes under autocast.
+
 Every rank builds the model on the meta device; once it is parallelized, each rank reads its
 own shards from the checkpoint (rl/trainer/loading.py).
 
@@ -18,6 +23,7 @@ whole batch's token count, so gradients are summed across ranks, not averaged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -33,9 +39,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from rl.core.config import RunConfig, TrainerConfig
-from rl.core.derive import ParallelDims
+from rl.core.derive import ParallelDims, Precision
+from rl.trainer import head
 from rl.trainer.context_parallel import ContextParallel
 from rl.trainer.expert_parallel import ExpertParallel, apply_expert_parallel
 
@@ -79,11 +87,52 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def apply_activation_checkpointing(model: Any) -> None:
+def apply_activation_checkpointing(model: Any, offload: bool = False) -> None:
     """Recompute each decoder block's activations in the backward pass instead of keeping them
-    (the blocks' own checkpointing, which passes their keyword arguments through)."""
+    (the blocks' own checkpointing, which passes their keyword arguments through); with
+    `offload`, each block's input, all that is kept of it, waits for the backward pass in host
+    memory (`offloaded_checkpoint`)."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        for layer in decoder_layers(model):
+            layer._gradient_checkpointing_func = offloaded_checkpoint
     model.train()  # the blocks checkpoint only in training mode
+
+
+def offloaded_checkpoint(function: Any, *args: Any) -> Any:
+    """A block's forward under activation checkpointing with its input (the hidden states, its
+    first argument) kept on the host: copied there as the block starts, copied back to the
+    block's device in the forward and again when the backward pass recomputes the block. The
+    device copy is freed once the block has run: a long sample's block inputs then take host
+    memory, not the GPU's. (On a CPU trainer the copy is the tensor itself.)"""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return checkpoint(function, *args, use_reentrant=False)
+    hidden, *rest = args
+    device = hidden.device
+    stored = hidden.to("cpu")
+
+    def run(on_host: torch.Tensor, *others: Any) -> Any:
+        return function(on_host.to(device), *others)
+
+    return checkpoint(run, stored, *rest, use_reentrant=False)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a config names (`float32`, `bfloat16`, `float16`)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def mixed_precision(precision: Precision | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy over master-dtype parameters: each block's weights gathered in the
+    compute dtype (left as they are where it is the master's), gradients reduced in the reduce
+    dtype and kept, sharded, in the master's."""
+    if precision is None:
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    compute = torch_dtype(precision.compute) if precision.mixed else None
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch_dtype(precision.reduce))
 
 
 def apply_fsdp(
@@ -91,15 +140,14 @@ def apply_fsdp(
     mesh: DeviceMesh,
     dims: ParallelDims,
     experts: list[ExpertParallel] = (),  # type: ignore[assignment]
-    param_dtype: torch.dtype | None = None,
+    precision: Precision | None = None,
     cpu_offload: bool = False,
 ) -> Any:
     """Shard each expert-parallel module over the ranks that share its experts, then every
     decoder block, then the root (embeddings, final norm, LM head)."""
     if cpu_offload and not torch.cuda.is_available():
         raise ValueError("trainer.cpu_offload=true moves GPU state to the host; there is no GPU")
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs: dict[str, Any] = {"mp_policy": policy}
+    kwargs: dict[str, Any] = {"mp_policy": mixed_precision(precision)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for module in experts:  # experts first: already split over ep
@@ -172,30 +220,47 @@ def parallelize(
     trainer: TrainerConfig,
     device: torch.device,
     mesh: DeviceMesh | None = None,
+    precision: Precision | None = None,
 ) -> Layout:
     """Apply the trainer's parallelism to `model` (built on the meta device: the weights are
     read into its shards afterwards), in this order:
 
     1. context parallelism: attention over the `cp` group (rl/trainer/context_parallel.py);
-    2. activation checkpointing of every decoder block (`trainer.activation_checkpointing`);
+    2. the LM head in chunks (`trainer.lm_head_chunk`, rl/trainer/head.py), and activation
+       checkpointing of every decoder block (`trainer.activation_checkpointing`, its inputs
+       on the host with `trainer.activation_offload`);
     3. expert parallelism: each MoE layer's experts split over `ep` (rl/trainer/expert_parallel.py);
     4. FSDP2: the experts over the ranks that share them, then every block, then the root.
 
-    One process applies only what needs no mesh (activation checkpointing). `mesh`: the one
-    another model of the trainer was parallelized over (else a new one)."""
+    One process applies only what needs no mesh (activation checkpointing; it computes in
+    `precision.compute` under autocast: `compute_context`). `mesh`: the one another model of
+    the trainer was parallelized over (else a new one)."""
     if mesh is None and dims.sharded:
         mesh = build_mesh(dims, device.type)
     cp = None
     if mesh is not None and dims.cp > 1:
         cp = ContextParallel(mesh["cp"])
         cp.enable(model)
+    if trainer.lm_head_chunk:
+        head.enable(model, int(trainer.lm_head_chunk))
     if trainer.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, bool(trainer.activation_offload))
     if mesh is None:
         return Layout(dp_world=dims.dp)
     experts = apply_expert_parallel(model, mesh["ep"]) if dims.ep > 1 else []
-    apply_fsdp(model, mesh, dims, experts, cpu_offload=trainer.cpu_offload)
+    apply_fsdp(model, mesh, dims, experts, precision, cpu_offload=trainer.cpu_offload)
     return Layout(data_parallel_rank(mesh), dims.dp, cp, mesh)
+
+
+def compute_context(
+    precision: Precision, dims: ParallelDims, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
+    """What a forward pass runs under: FSDP2 casts the weights it gathers itself; one process
+    whose compute dtype is not its master copy's computes under autocast (matmuls in the
+    compute dtype, the weights and their gradients staying in the master's)."""
+    if dims.sharded or not precision.mixed:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch_dtype(precision.compute))
 
 
 def rank_device(cfg: RunConfig) -> torch.device:

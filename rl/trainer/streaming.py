@@ -15,11 +15,17 @@ its blocks, so every rank ends the walk together and the error is raised after.
 
 `meta()` gives every block's names, global shapes and dtypes without gathering anything: what
 a broadcast's header announces before the first byte is sent.
+
+A version is published in the model's dtype while the trainer keeps float32 master weights:
+each rank casts its own shards before the gather, so the gather moves the published bytes, not
+the master's. A LoRA run's version walks only the tensors it holds (`select`): the base for
+version 0, the adapter's matrices after, gathered layer by layer like the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,17 +44,30 @@ def block_of(name: str) -> str:
     return name
 
 
-class GatheredBlocks(BlockSource):
-    """The weights of a module sharded by FSDP (or one rank's own), block by block; every
-    rank of the default group takes part in each walk."""
+Select = Callable[[dict[str, Any]], dict[str, Any]]
+"""Which of a model's state-dict tensors a version holds, under the names it publishes them
+by (rl/weights/lora.py's `base_tensors` and `adapter_tensors`)."""
 
-    def __init__(self, model: torch.nn.Module, rank: int) -> None:
-        self.rank = rank
+
+class GatheredBlocks(BlockSource):
+    """The weights of a module sharded by FSDP (or one rank's own), block by block, in `dtype`
+    where given (floating-point tensors only); every rank of the default group takes part in
+    each walk."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rank: int,
+        dtype: torch.dtype | None = None,
+        select: Select | None = None,
+    ) -> None:
+        self.rank, self.dtype = rank, dtype
         seen: set[int] = set()
         self.groups: list[list[tuple[str, torch.Tensor]]] = []
         last = None
+        state = model.state_dict(keep_vars=True)
         # A tensor held under two names (tied embeddings) is walked once, under its first.
-        for name, tensor in model.state_dict(keep_vars=True).items():
+        for name, tensor in (select(state) if select is not None else state).items():
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
@@ -60,7 +79,14 @@ class GatheredBlocks(BlockSource):
 
     def meta(self) -> Iterator[dict[str, torch.Tensor]]:
         for group in self.groups:
-            yield {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in group}
+            yield {
+                name: torch.empty(t.shape, dtype=self._dtype(t), device="meta") for name, t in group
+            }
+
+    def _dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        if self.dtype is not None and tensor.is_floating_point():
+            return self.dtype
+        return tensor.dtype
 
     def blocks(self) -> Iterator[dict[str, torch.Tensor]]:
         """Rank 0's walk: each block whole on the host, as every rank gathers it."""
@@ -101,6 +127,7 @@ class GatheredBlocks(BlockSource):
         for name, tensor in group:
             if isinstance(tensor, DTensor) and nccl and tensor.device.type == "cpu":
                 tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # offloaded
+            tensor = tensor.detach().to(self._dtype(tensor))  # each rank casts its own shard
             whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if keep:
                 out[name] = whole.detach().to("cpu", copy=whole.device.type != "cpu")

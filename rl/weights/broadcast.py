@@ -68,18 +68,26 @@ class InferenceBroadcaster:
     ) -> None:
         """Send `model`'s weights (or its gathered `state`, or its blocks) as `version`, in
         the layout the servers load."""
-        if isinstance(state, BlockSource):  # gathered block by block as the buckets fill
-            specs = [s for block in state.meta() for s in specs_of(self._served(model, block))]
-            values = (t for block in state.blocks() for t in self._served(model, block).values())
-            self.update(version, (specs, values))
-            return
         if lora.is_wrapped(model):  # the base for version 0, then only the adapter
-            self.update(version, lora.published_tensors(version, model, state))
+            if version == 0 and isinstance(state, BlockSource):
+                self.update(version, self._streamed(model.get_base_model(), state))
+            else:
+                self.update(version, lora.published_tensors(version, model, state))
+            return
+        if isinstance(state, BlockSource):
+            self.update(version, self._streamed(model, state))
             return
         tensors = inference_state(model, state, self.checkpoint_layout)
         if self.fp8_base is not None:
             tensors = fp8.quantized_like(self.fp8_base, tensors)
         self.update(version, tensors)
+
+    def _streamed(self, model: Any, source: BlockSource) -> Streamed:
+        """A version announced from its blocks' shapes, then gathered block by block as the
+        buckets fill."""
+        specs = [s for block in source.meta() for s in specs_of(self._served(model, block))]
+        values = (t for block in source.blocks() for t in self._served(model, block).values())
+        return specs, values
 
     def _served(self, model: Any, block: dict[str, Any]) -> dict[str, Any]:
         tensors = served_layout(model, block, self.checkpoint_layout)

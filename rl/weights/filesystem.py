@@ -41,10 +41,10 @@ class FilesystemPublisher(WeightPublisher):
             return
         self.run_dir.weights.mkdir(parents=True, exist_ok=True)
         target = self.run_dir.weights_for(version)
-        if isinstance(state, BlockSource):
-            publish_blocks(model, tokenizer, target, state, fp8_base=self.fp8_base)
-        elif lora.is_wrapped(model):
+        if lora.is_wrapped(model):
             lora.publish(version, model, tokenizer, state, self.run_dir)
+        elif isinstance(state, BlockSource):
+            publish_blocks(model, tokenizer, target, state, fp8_base=self.fp8_base)
         else:
             publish_weights(model, tokenizer, target, state_dict=state, fp8_base=self.fp8_base)
         self.run_dir.prune_versions(self.keep)

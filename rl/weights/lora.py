@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rl.core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, is_adapter_dir, is_adapter_name
+from rl.core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, is_adapter_name
 
 
 def is_wrapped(model: Any) -> bool:
@@ -65,24 +65,40 @@ def write_adapter(out: Path, model: Any, tensors: dict[str, Any], base: str) -> 
     save_file(tensors, str(out / ADAPTER_WEIGHTS))
 
 
-def publish(version: int, model: Any, tokenizer: Any, state: dict | None, run_dir: Any) -> None:
-    """Version `version` of a LoRA run into `weights/step_N`: the base in full for version 0,
-    the adapter after (its base named as the run's version 0)."""
-    from rl.core.model import publish_dir, publish_weights
+def select(version: int) -> Any:
+    """Which tensors of a PEFT model's state dict version `version` holds, under the names it
+    is published by: the base for version 0, the adapter after."""
+    return base_tensors if version == 0 else adapter_tensors
 
-    state = model.state_dict() if state is None else state
+
+def publish(version: int, model: Any, tokenizer: Any, state: Any, run_dir: Any) -> None:
+    """Version `version` of a LoRA run into `weights/step_N`: the base in full for version 0,
+    the adapter after (its base named as the run's version 0). `state`: the model's state
+    dict (None: the module's own), or its blocks (`BlockSource`) holding just this version's
+    tensors, gathered layer by layer from a sharded trainer and cast to the published dtype."""
+    from rl.core.model import publish_blocks, publish_dir, publish_weights
+    from rl.weights.base import BlockSource
+
     target = run_dir.weights_for(version)
+    if version == 0 and isinstance(state, BlockSource):
+        publish_blocks(model.get_base_model(), tokenizer, target, state)
+        return
+    tensors = published_tensors(version, model, state)
     if version == 0:
-        publish_weights(model.get_base_model(), tokenizer, target, base_tensors(state))
+        publish_weights(model.get_base_model(), tokenizer, target, tensors)
         return
     base = str(run_dir.weights_for(0))
-    publish_dir(target, lambda tmp: write_adapter(tmp, model, adapter_tensors(state), base))
+    publish_dir(target, lambda tmp: write_adapter(tmp, model, tensors, base))
 
 
-def published_tensors(version: int, model: Any, state: dict | None) -> dict[str, Any]:
-    """What a broadcast of `version` sends: the base for version 0, the adapter after."""
-    state = model.state_dict() if state is None else state
-    return base_tensors(state) if version == 0 else adapter_tensors(state)
+def published_tensors(version: int, model: Any, state: Any) -> dict[str, Any]:
+    """What version `version` holds (the base for version 0, the adapter after), from the
+    model's state dict (None: the module's own) or from blocks that hold just that."""
+    from rl.weights.base import BlockSource
+
+    if isinstance(state, BlockSource):
+        return {name: t for block in state.blocks() for name, t in block.items()}
+    return select(version)(model.state_dict() if state is None else state)
 
 
 def read_adapter(path: Path) -> tuple[dict[str, Any], float]:
@@ -92,28 +108,3 @@ def read_adapter(path: Path) -> tuple[dict[str, Any], float]:
     config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     return dict(checked_tensors(Path(path))), alpha / rank
-
-
-def export(run: Any, version: int | None = None) -> Path:
-    """Version `version` (the newest published) of a run as full HF weights: an adapter merged
-    into its base (version 0) into `export/step_N/` of the run (written once, COMPLETE last),
-    or the version's own directory where it holds full weights."""
-    from rl.core.model import load_model, load_tokenizer, publish_weights
-    from rl.core.rundir import is_complete
-
-    versions = run.published_versions()
-    if not versions:
-        raise ValueError(f"{run.root}: no published weights to export")
-    version = versions[-1] if version is None else version
-    source = run.weights_for(version)
-    if not is_adapter_dir(source):
-        return source
-    target = run.root / "export" / source.name
-    if not is_complete(target):
-        from peft import PeftModel
-
-        base = run.weights_for(0)
-        model = PeftModel.from_pretrained(load_model(base), source).merge_and_unload()
-        target.parent.mkdir(exist_ok=True)
-        publish_weights(model, load_tokenizer(base), target)
-    return target

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from rl.core.records import Sample
 from rl.trainer import parallel
 from rl.trainer.checkpoint import full_state_dict, load_model_state
+from rl.trainer.loading import local_region
 from rl.trainer.loop import Trainer
 from rl.trainer.parallel import local_tensor
 
@@ -200,3 +201,50 @@ def lora_steps(
 
     _train(trainer, rank, first, last, save)
     dist.destroy_process_group()
+
+
+def adam_steps(rank: int, world: int, init_file: str, run_dir: str, out: str, steps: int) -> None:
+    """`steps` optimiser steps on one fixed batch. Rank 0 saves the trained parameters whole
+    before and after, the dtypes the trainer keeps (parameters, gradients, AdamW's moments),
+    every rank's bytes of each, and the dtype a published version's tensors have. A LoRA
+    adapter's B starts random here (its own start is zero, which leaves A no gradient)."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for name, param in trained.items():
+            if ".lora_B." in name:
+                gen = torch.Generator().manual_seed(len(name))
+                whole = torch.randn(param.shape, generator=gen) * 0.02
+                local_tensor(param).copy_(whole[local_region(param)])
+    before = {n: _whole(p) for n, p in trained.items()}
+    batch = _mine(synthetic_samples(8, seed=0), trainer)
+    for _ in range(steps):
+        trainer.train_step(batch, [list(range(len(batch)))])
+    after = {n: _whole(p) for n, p in trained.items()}
+    moments = [s for state in trainer.optimizer.state.values() for s in state.values()]
+    moments = [local_tensor(m) for m in moments if isinstance(m, torch.Tensor) and m.dim()]
+    held = {
+        "parameters": sum(_bytes(p) for p in trainer.model.parameters()),
+        "gradients": sum(_bytes(p.grad) for p in trained.values()),
+        "optimizer": sum(m.numel() * m.element_size() for m in moments),
+    }
+    every = [None] * world
+    dist.all_gather_object(every, held)
+    trainer.publish(1)
+    if rank == 0:
+        dtypes = {
+            "parameters": {str(p.dtype) for p in trained.values()},
+            "gradients": {str(p.grad.dtype) for p in trained.values()},
+            "optimizer": {str(m.dtype) for m in moments},
+        }
+        torch.save({"before": before, "after": after, "dtypes": dtypes, "held": every}, out)
+    dist.destroy_process_group()
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().cpu().clone()
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()

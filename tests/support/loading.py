@@ -43,9 +43,10 @@ def build_and_compare(
 ) -> None:
     """Build the trainer; rank 0 saves every rank's resident-memory growth during the build
     and the bytes it holds, with the names of the tensors whose whole loaded value is not
-    exactly the `reference` checkpoint's as transformers loads it (and its dtype)."""
+    exactly the `reference` checkpoint's as transformers loads it in the trainer's master
+    dtype (and that dtype)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cfg_dtype = _run_dtype(run_dir)
+    cfg_dtype, published_dtype = _run_dtypes(run_dir)
     empty_model(reference, dtype=cfg_dtype)  # the model's modules imported before measuring
     before = reset_peak_rss()
     trainer = Trainer(Path(run_dir))
@@ -65,7 +66,8 @@ def build_and_compare(
         # The same version as the whole gathered state writes it, tensor for tensor.
         whole = Path(out).with_suffix(".whole")
         base = fp8.block_size(trainer.base) and trainer.base
-        publish_weights(trainer.model, trainer.tokenizer, whole, state_dict=state, fp8_base=base)
+        cast = {k: v.to(getattr(torch, published_dtype)) for k, v in state.items()}
+        publish_weights(trainer.model, trainer.tokenizer, whole, state_dict=cast, fp8_base=base)
         streamed, gathered = _tensors(trainer.run_dir.weights_for(1)), _tensors(whole)
         if trainer.model.config.tie_word_embeddings:  # a tied LM head is the embedding
             for name in trainer.model._tied_weights_keys or {}:
@@ -100,10 +102,13 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.dtype == want.dtype and torch.equal(got, want)
 
 
-def _run_dtype(run_dir: str) -> str:
+def _run_dtypes(run_dir: str) -> tuple[str, str]:
+    """The trainer's master dtype (what it loads weights into) and the published one."""
+    from rl.core.derive import precision
     from rl.core.runtime import load_run_config
 
-    return str(load_run_config(Path(run_dir)).model.dtype)
+    dtypes = precision(load_run_config(Path(run_dir)))
+    return dtypes.master, dtypes.published
 
 
 # The FP8 block format as DeepSeek-V3 and GLM-5 publish it, written here independently of
