@@ -73,7 +73,7 @@ def dequantize(
 def _per_element(scales: torch.Tensor, region: Region, block: tuple[int, int]) -> torch.Tensor:
     """Each element's block scale, over the 2-D slice `region` whose blocks `scales` holds."""
     index = [
-        torch.arange(s.start, s.stop) // b - s.start // b
+        torch.arange(s.start, s.stop, device=scales.device) // b - s.start // b
         for s, b in zip(region, block, strict=True)
     ]
     return scales.float()[index[0][:, None], index[1][None, :]]

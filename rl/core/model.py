@@ -379,10 +379,12 @@ def publish_blocks(
             weight_map.update(dict.fromkeys(pending, name))
             pending.clear()
 
-        for block in source.blocks():
+        def served(block: dict[str, Any]) -> dict[str, Any]:
+            """A block in the checkpoint's layout (and FP8 format), where it was gathered."""
             tensors = served_layout(model, block, checkpoint_layout=True)
-            if base is not None:
-                tensors = base.quantized(tensors)
+            return base.quantized(tensors) if base is not None else tensors
+
+        for tensors in source.blocks(served):
             for key, tensor in tensors.items():
                 pending[key] = tensor.contiguous()
                 total += tensor.numel() * tensor.element_size()

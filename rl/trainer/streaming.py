@@ -4,9 +4,11 @@ Gathering every weight onto rank 0 before publishing holds the whole model there
 GLM-5 in bf16, beyond a node's memory. Instead, the publishers (rl/weights/) walk the model
 block by block (a decoder layer, or one tensor outside the layers: the embedding, the final
 norm, the LM head). Each block is gathered by every rank together (a collective on the FSDP
-group: each rank's shards go to all), rank 0 keeps it on the host until it is written or sent,
-and the next block is gathered only then. Rank 0's peak is one block (plus what a file being
-written holds); the other ranks drop each block at once.
+group), rank 0 keeps it until it is written or sent, and the next block is gathered only
+then. Rank 0's peak is one block (plus what a file being
+written holds). An FSDP shard goes to rank 0 alone (`to_rank_0`): the other ranks send their
+rows and receive nothing, so a version costs each of them its own shard's bytes however large
+the world, not the whole model.
 
 Rank 0 may walk the blocks more than once for one version (a broadcast version that is also
 written to disk); before each walk it tells the other ranks, which follow until it says it is
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from rl.core.model import hf_name
 from rl.weights.base import BlockSource
@@ -88,15 +90,21 @@ class GatheredBlocks(BlockSource):
             return self.dtype
         return tensor.dtype
 
-    def blocks(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Rank 0's walk: each block whole on the host, as every rank gathers it."""
+    def blocks(
+        self, transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None, host: bool = True
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Rank 0's walk: each block whole, as every rank gathers it, transformed where it was
+        gathered, then on the host (or left there: `host=False`)."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 walks the blocks; the others follow()")
         self._signal(1)
         index = 0
         try:
             for index, group in enumerate(self.groups):  # noqa: B007 (read in finally)
-                yield self._gather(group, keep=True)
+                block = self._gather(group, keep=True)
+                if transform is not None:
+                    block = transform(block)
+                yield {name: _on_host(t) for name, t in block.items()} if host else block
             index = len(self.groups)
         finally:  # left early: the other ranks are gathering the rest
             for group in self.groups[index + 1 : len(self.groups)]:
@@ -128,7 +136,44 @@ class GatheredBlocks(BlockSource):
             if isinstance(tensor, DTensor) and nccl and tensor.device.type == "cpu":
                 tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))  # offloaded
             tensor = tensor.detach().to(self._dtype(tensor))  # each rank casts its own shard
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            whole = to_rank_0(tensor)
             if keep:
-                out[name] = whole.detach().to("cpu", copy=whole.device.type != "cpu")
+                out[name] = whole
         return out
+
+
+def to_rank_0(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole of a (possibly sharded) tensor on rank 0 (None elsewhere). An FSDP shard
+    (rows split over one mesh dimension, replicated over any other) is gathered to rank 0
+    alone: the others send their rows and receive nothing, and replicas other than rank 0's
+    take no part. Any other layout (experts under EP) is all-gathered."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh, placements = tensor.device_mesh, tensor.placements
+    sharded = [d for d, p in enumerate(placements) if not p.is_replicate()]
+    if len(sharded) != 1 or type(placements[sharded[0]]) is not Shard:
+        whole = tensor.full_tensor()
+        return whole if dist.get_rank() == 0 else None
+    if placements[sharded[0]].dim != 0:
+        whole = tensor.full_tensor()
+        return whole if dist.get_rank() == 0 else None
+    dim = sharded[0]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or any(c for d, c in enumerate(coordinate) if d != dim):
+        return None  # another replica: rank 0's replica sends its rows
+    group, size = mesh.get_group(dim), mesh.size(dim)
+    rows = tensor.shape[0]
+    chunk = -(-rows // size)  # FSDP's (and torch.chunk's) split: ceil, the last ones short
+    local = tensor.to_local()
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    root = dist.get_global_rank(group, 0)
+    parts = [torch.empty_like(padded) for _ in range(size)] if dist.get_rank() == root else None
+    dist.gather(padded, parts, dst=root, group=group)
+    if parts is None:
+        return None
+    return torch.cat(parts)[:rows]
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu", copy=tensor.device.type != "cpu")

@@ -11,7 +11,7 @@ branch on the transport:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # The inference servers' broadcast routes (rl/weights/routes.py), and the longest a status
@@ -50,8 +50,12 @@ class BlockSource(ABC):
         """Each block's tensors as meta tensors (names, shapes, dtypes; nothing gathered)."""
 
     @abstractmethod
-    def blocks(self) -> Iterator[dict[str, Any]]:
-        """Each block's tensors, whole, on the host (rank 0's walk; the others take part)."""
+    def blocks(
+        self, transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None, host: bool = True
+    ) -> Iterator[dict[str, Any]]:
+        """Each block's tensors, whole (rank 0's walk; the others take part), passed through
+        `transform` where they were gathered (the GPU of an NCCL trainer: re-quantization runs
+        there), then moved to the host unless `host` is False."""
 
 
 class VersionWaiter(ABC):

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,9 @@ class InferenceBroadcaster:
         """A version announced from its blocks' shapes, then gathered block by block as the
         buckets fill."""
         specs = [s for block in source.meta() for s in specs_of(self._served(model, block))]
-        values = (t for block in source.blocks() for t in self._served(model, block).values())
+        # Converted (and re-quantized) where gathered; an NCCL sender takes them from there.
+        blocks = source.blocks(partial(self._served, model), host=self.sender.backend != "nccl")
+        values = (t for block in blocks for t in block.values())
         return specs, values
 
     def _served(self, model: Any, block: dict[str, Any]) -> dict[str, Any]:

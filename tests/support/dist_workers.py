@@ -248,3 +248,27 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
 def _bytes(tensor: torch.Tensor) -> int:
     local = local_tensor(tensor)
     return local.numel() * local.element_size()
+
+
+def checkpointed_steps(
+    rank: int, world: int, init_file: str, run_dir: str, out: str, steps: int
+) -> None:
+    """Steps 1..`steps` on one fixed batch, a checkpoint after each (the trainer prunes them
+    to `trainer.keep_checkpoints`); a LoRA run publishes version 0 first. Rank 0 saves, per
+    step, the whole master weights and the model's logits for a fixed input."""
+    trainer = _trainer(rank, world, init_file, run_dir)
+    if trainer.cfg.model.lora.rank:
+        trainer.publish(0)
+    batch = _mine(synthetic_samples(8, seed=0), trainer)
+    ids = torch.tensor([[1, 10, 11, 12, 13, 14]])
+    saved = {}
+    for step in range(1, steps + 1):
+        trainer.train_step(batch, [list(range(len(batch)))])
+        trainer.checkpoint(step)
+        weights = {n: _whole(p) for n, p in trainer.model.named_parameters()}
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits.float().cpu()
+        saved[step] = {"weights": weights, "logits": logits}
+    if rank == 0:
+        torch.save(saved, out)
+    dist.destroy_process_group()
