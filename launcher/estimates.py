@@ -59,7 +59,8 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
     instances = f"{replicas} replica(s)" + (" x (prefill + decode)" if pd else "")
     turned_on = tm.options.describe() + ([f"cp {tm.mesh['cp']}"] if tm.mesh["cp"] > 1 else [])
     notes = [
-        f"trainer memory per GPU ({trainer_gpus} GPUs, {size.trainer_nodes} nodes"
+        f"trainer memory per GPU ({trainer_gpus} GPUs, {size.trainer_nodes} "
+        f"node{'s' if size.trainer_nodes > 1 else ''}"
         + "".join(f", {what}" for what in turned_on)
         + f"; micro-batches of up to {tm.tokens:,} tokens): {tm.describe()}",
         f"inference memory per GPU ({instances} of {replica_gpus} GPUs, tp "

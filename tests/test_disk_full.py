@@ -198,11 +198,14 @@ def test_the_plan_warns_when_the_disk_is_too_small_for_checkpoints_and_weights(
     tmp_path: Path,
 ) -> None:
     """The estimate, by hand for the tiny model (0.0003B float32 parameters: 1.2 MB of
-    weights): 10 steps checkpointed every 4 write 3 checkpoints (steps 4, 8, 10) of weights and
-    AdamW's two moments, 3.6 MB each; version 0, the 3 kept and the one being written are 5
+    weights): 10 steps checkpointed every 4 write 3 checkpoints (steps 4, 8, 10) of float32
+    master weights and AdamW's two moments, 3.6 MB each, and the two kept and the one being
+    written are all 3 on disk at once; version 0, the 3 kept and the one being written are 5
     versions of 1.2 MB; 16.8 MB in all. A resume after step 8 needs the last checkpoint and
-    one more version. A dry run on a 4 MB disk says so, before its plan."""
+    one more version. A dry run on a 4 MB disk says so, before its plan. Over 30 steps the
+    checkpoints kept bound it: 3 at once, not 8."""
     cfg = compose_run("max_steps=10", "trainer.checkpoint_every=4")
+    assert disk_need(compose_run("max_steps=30", "trainer.checkpoint_every=4")).checkpoints == 3
     need = disk_need(cfg)
     assert (need.checkpoints, need.checkpoint_bytes) == (3, pytest.approx(3.6 * MB))
     assert (need.versions, need.version_bytes) == (5, pytest.approx(1.2 * MB))
@@ -219,10 +222,10 @@ def test_the_plan_warns_when_the_disk_is_too_small_for_checkpoints_and_weights(
     assert out.returncode == 0, out.stderr
     assert out.stderr.splitlines() == [
         f"warning: {run_dir} has 4.0 MB free, and this run's checkpoints and published weights "
-        "need ~16.8 MB: 3 checkpoint(s) of ~3.6 MB (weights and AdamW's two moments in "
-        "float32; trainer.checkpoint_every=4, max_steps=10), 5 published version(s) of ~1.2 MB "
-        "at once (trainer.keep_weights=3), for model=tiny (0.0003B parameters); a full disk "
-        "ends the run"
+        "need ~16.8 MB: 3 checkpoint(s) at once of ~3.6 MB (master weights and AdamW's two "
+        "moments in float32; trainer.keep_checkpoints=2, checkpoint_every=4, max_steps=10), 5 "
+        "published version(s) of ~1.2 MB at once (trainer.keep_weights=3), for model=tiny "
+        "(0.0003B parameters); a full disk ends the run"
     ]
     assert out.stdout.startswith("run reverse_text-tiny on cluster=local")
 
@@ -255,7 +258,7 @@ def test_a_run_whose_disk_fills_ends_in_one_line_with_its_summary_and_resume_com
         lines = err.strip().splitlines()
         assert lines[0].startswith(
             f"warning: {run_dir} has 14.0 MB free, and this run's checkpoints and published "
-            "weights need ~27.6 MB: 6 checkpoint(s) of ~3.6 MB"
+            "weights need ~16.8 MB: 3 checkpoint(s) at once of ~3.6 MB"
         ), lines[0]
         (error,) = [line for line in lines if line.startswith("error: ")]
         said = re.fullmatch(
