@@ -177,7 +177,7 @@ def test_local_fsdp_two_cpu_processes() -> None:
         ),
         (
             ["cluster=slurm", "model=glm5", "parallel=ep8", "cluster.nodes=16"],
-            "cluster.nodes: the run needs 23 GPU nodes (15 trainer + 8 for 2 inference",
+            "cluster.nodes: the run needs 22 GPU nodes (14 trainer + 8 for 2 inference",
         ),
         (["cluster.gpus_per_node=1"], "share the one GPU, which needs its memory to split"),
         (

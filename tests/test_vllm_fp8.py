@@ -36,7 +36,7 @@ from rl.trainer.lora import adapter_start
 from rl.trainer.streaming import GatheredBlocks
 from tests.support import loading
 from tests.support.runs import compose_run
-from tests.support.vllm import MARKS, complete, vllm_config, vllm_server
+from tests.support.vllm import MARKS, NEEDS_AMX, complete, vllm_config, vllm_server
 
 pytestmark = MARKS  # slow; skipped without vLLM's CPU build
 
@@ -109,6 +109,7 @@ def test_fp8_on_cpu_is_planned_for_vllm_and_refused_for_the_embedded_engine(
         plan(embedded)
 
 
+@NEEDS_AMX
 def test_a_published_fp8_version_is_served_as_the_trainer_holds_it(
     base: Path, server: SimpleNamespace
 ) -> None:

@@ -27,10 +27,12 @@ import torch.nn.functional as F
 
 
 def _head(model: Any) -> Any:
-    """The model's LM head module (under a PEFT model's wrapping for LoRA)."""
+    """The model's LM head module (under a PEFT model's wrapping for LoRA), or None for a
+    model that has none to name."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    return model.get_output_embeddings()
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if get is not None else None
 
 
 def enable(model: Any, chunk: int) -> None:

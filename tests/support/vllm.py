@@ -44,6 +44,21 @@ MARKS = [
 ]
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Sapphire Rapids or newer), which vLLM's CPU build
+    needs for FP8 block weights ("CPUFp8BlockScaledMMKernel requires AMX tile support"); an
+    AMD EPYC or an older Xeon has none."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+NEEDS_AMX = pytest.mark.skipif(
+    not cpu_has_amx(), reason="vLLM's CPU FP8 kernels need AMX tiles, which this CPU lacks"
+)
+
+
 def trained_checkpoint(cfg: DictConfig, target: Path, steps: int) -> list[list[int]]:
     """Publish a checkpoint after `steps` SFT steps; return the embedded engine's greedy ids."""
     base = ensure_checkpoint(cfg.model)
