@@ -222,4 +222,6 @@ def duration(seconds: float) -> str:
         return f"{seconds * 1000:.0f} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
-    return f"{seconds / 60:.1f} min"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

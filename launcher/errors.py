@@ -40,11 +40,20 @@ def group_options(group: str) -> list[str]:
 
 def one_line(err: BaseException) -> str | None:
     """A one-line message for a config error, or None when `err` is not one."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from hydra.errors import (
+        ConfigCompositionException,
+        MissingConfigException,
+        OverrideParseException,
+    )
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(err, PlanError):
         return str(err)
+    if isinstance(err, OverrideParseException):  # e.g. `key=[--x=1]`: its items need quotes
+        return (
+            f"cannot read the override {err.override!r}: {str(err).splitlines()[0]} (quote "
+            "an item holding '=' or spaces: 'key=[\"--mpi=pmix\"]')"
+        )
     if isinstance(err, MissingConfigException):
         match = re.search(r"'([\w/]+)/([^'/]+)'", str(err))
         if match:

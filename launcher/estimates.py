@@ -31,6 +31,7 @@ from launcher.sizing import (
 )
 from rl.core.config import ClusterKind, WeightTransport
 from rl.core.derive import kept_versions, max_model_len, weight_transport
+from rl.core.disk import size as in_bytes
 
 DEFAULT_SIGNAL_DELAY_S = 120
 """The signal delay where nothing is estimated (a cluster without GPUs)."""
@@ -59,6 +60,13 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
     instances = f"{replicas} replica(s)" + (" x (prefill + decode)" if pd else "")
     turned_on = tm.options.describe() + ([f"cp {tm.mesh['cp']}"] if tm.mesh["cp"] > 1 else [])
     notes = [
+        summary_note(
+            cfg,
+            train_s,
+            gen.seconds,
+            sync.seconds,
+            trainer_gpus + replicas * (2 if pd else 1) * replica_gpus,
+        ),
         f"trainer memory per GPU ({trainer_gpus} GPUs, {size.trainer_nodes} "
         f"node{'s' if size.trainer_nodes > 1 else ''}"
         + "".join(f", {what}" for what in turned_on)
@@ -78,6 +86,21 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
     ]
     notes.append(preemption_note(cfg, slower + sync.seconds))
     return notes
+
+
+def summary_note(cfg: DictConfig, train_s: float, gen_s: float, sync_s: float, gpus: int) -> str:
+    """The plan in one line: a step's time and where it goes, the run's GPU-hours, and how
+    much of a step each side waits."""
+    step_s = max(train_s, gen_s) + sync_s
+    run_s = step_s * cfg.max_steps
+    gpu_hours = gpus * run_s / 3600
+    return (
+        f"summary: a step ~{duration(step_s)} (training ~{duration(train_s)}, generation "
+        f"~{duration(gen_s)}, side by side, then the weight sync ~{duration(sync_s)}); "
+        f"{cfg.max_steps} steps ~{duration(run_s)} on {gpus} GPUs, {gpu_hours:,.1f} GPU-hours; "
+        f"the trainer waits {1 - train_s / step_s:.0%} of a step, inference "
+        f"{1 - gen_s / step_s:.0%}"
+    )
 
 
 def weight_sync_note(cfg: DictConfig, sync: Sync, instances: int) -> str:
@@ -115,7 +138,7 @@ def preemption_note(cfg: DictConfig, step_s: float) -> str:
     what = "weights, AdamW moments" if optimizer else "weights only"
     numbers = (
         f"the step under way (~{duration(step_s)}) and a checkpoint of "
-        f"{checkpoint_bytes(cfg, optimizer) / 1e12:.2f} TB ({what}) at "
+        f"{in_bytes(checkpoint_bytes(cfg, optimizer))} ({what}) at "
         f"{cluster.storage_gbs:g} GB/s (~{duration(write_s)}) need {need} s with a margin"
     )
     if cluster.kind != ClusterKind.slurm:

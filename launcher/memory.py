@@ -353,7 +353,9 @@ def logits_bytes(m: Any, tokens: float, head_chunk: int, b: int) -> float:
 def communicators(mesh: dict[str, int]) -> int:
     """NCCL communicators a trainer rank holds: the world's, FSDP's, and one per further mesh
     dimension it uses (experts' FSDP group and EP's, CP's, HSDP's replicas); rank 0 also
-    holds the weight-broadcast group's."""
+    holds the weight-broadcast group's (one process: that one alone)."""
+    if mesh["world"] == 1:
+        return 1
     count = 2
     count += 2 if mesh.get("ep", 1) > 1 else 0
     count += 1 if mesh.get("cp", 1) > 1 else 0

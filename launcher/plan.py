@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
 
 from omegaconf import DictConfig
 
@@ -27,10 +26,18 @@ from launcher.sizing import (
     disaggregated,
     fill_gpus,
     inference_nodes,
-    pd_factor,
     per_node,
     replica_gpus,
     size_run,
+)
+from launcher.slurm_jobs import (
+    Job,
+    node_env_line,
+    one_allocation,
+    sbatch_flags,
+    setup_lines,
+    slurm_jobs,
+    srun_args,
 )
 from launcher.vllm_args import PD_INSTANCES, spanning_args, vllm_args
 from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Backend, ClusterKind, Placement
@@ -62,29 +69,11 @@ class Process:
     nodes: int = 1
     gpus_per_node: int = 0
     node: int = 0
-    """The first of its job's nodes it runs on (the trainer runs on every node of its job)."""
+    """The first of its job's nodes it runs on (the trainer runs on `nodes` nodes from it)."""
     head: int | None = None
     """For each process of an inference replica spanning nodes (one per node): the node of the
     replica's head, whose address and port the others join (`${RELAY_HEAD_ADDR}`,
     `${RELAY_HEAD_PORT}`)."""
-
-
-@dataclass
-class Job:
-    """One Slurm job (control, inference or trainer: the roles it runs) with its resources."""
-
-    name: str
-    nodes: int
-    gpus_per_node: int
-    cpus_per_task: int
-    mem_gb: int
-    time_min: int
-    partition: str | None
-    account: str | None
-    qos: str | None
-    constraint: str | None
-    sbatch_extra: dict[str, Any]
-    exclusive: bool = False
 
 
 # glibc's malloc returns every large block to the kernel when it is freed and maps it afresh on
@@ -94,43 +83,6 @@ CPU_ALLOCATOR = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
 }
-
-
-def sbatch_parameters(job: Job, run_name: str, cfg: DictConfig) -> dict[str, Any]:
-    """submitit's SlurmExecutor parameters for one job (one supervisor task per node)."""
-    params: dict[str, Any] = {
-        "job_name": f"{run_name}-{job.name}",
-        "nodes": job.nodes,
-        "ntasks_per_node": 1,
-        "cpus_per_task": job.cpus_per_task,
-        "mem": f"{job.mem_gb}GB",
-        "time": job.time_min,
-        "signal_delay_s": cfg.cluster.signal_delay_s,
-        "stderr_to_stdout": True,
-    }
-    optional = {
-        "partition": job.partition,
-        "account": job.account,
-        "qos": job.qos,
-        "constraint": job.constraint,
-        "gpus_per_node": job.gpus_per_node or None,
-        "exclusive": True if job.exclusive else None,
-    }
-    params.update({k: v for k, v in optional.items() if v is not None})
-    return params
-
-
-def sbatch_flags(job: Job, run_name: str, cfg: DictConfig) -> str:
-    """The job's sbatch options as a dry run shows them."""
-    params = sbatch_parameters(job, run_name, cfg)
-    params["signal"] = f"USR2@{params.pop('signal_delay_s')}"
-    params.pop("stderr_to_stdout")
-    params.update(job.sbatch_extra)
-    flags = []
-    for key, value in params.items():
-        flag = "--" + key.replace("_", "-")
-        flags.append(flag if value is True else f"{flag}={value}")
-    return " ".join(flags)
 
 
 @dataclass
@@ -176,6 +128,9 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         trainer_process(cfg, size, devices),
     ]
     jobs = slurm_jobs(cfg, size) if cfg.cluster.kind == ClusterKind.slurm else []
+    if cfg.cluster.kind == ClusterKind.slurm and one_allocation(cfg):
+        serving = inference_nodes(cfg, size.replica_nodes)
+        processes = [in_one_job(proc, serving) for proc in processes]
     if cfg.inference.shared:  # the sweep's inference service, or a point's own roles
         processes, jobs, shared_notes = sweep_share(processes, jobs, service)
         notes += shared_notes
@@ -196,6 +151,13 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         notes=notes,
         inexact=inexact(cfg),
     )
+
+
+def in_one_job(proc: Process, serving: int) -> Process:
+    """A process of a run that is one Slurm job: the trainer on the nodes after the
+    `serving` inference nodes; the queue and orchestrator beside the first replica."""
+    node = proc.node + serving if proc.role == "trainer" else proc.node
+    return replace(proc, job="run", node=node)
 
 
 def control_processes() -> list[Process]:
@@ -303,7 +265,7 @@ def trainer_process(cfg: DictConfig, size: Footprint, devices: LocalDevices) -> 
     if size.trainer_nodes > 1 or slurm:
         port = cfg.cluster.master_port
         torchrun += [
-            "--nnodes", str(size.trainer_nodes), "--node-rank", "${SLURM_NODEID}",
+            "--nnodes", str(size.trainer_nodes), "--node-rank", "${RELAY_NODE_RANK}",
             "--master-addr", "${RELAY_MASTER_ADDR}",
             "--master-port", "${RELAY_MASTER_PORT}" if port is None else str(port),
         ]  # fmt: skip
@@ -320,42 +282,6 @@ def trainer_process(cfg: DictConfig, size: Footprint, devices: LocalDevices) -> 
         job="trainer",
         nodes=size.trainer_nodes,
         gpus_per_node=ranks if gpus else 0,
-    )
-
-
-def slurm_jobs(cfg: DictConfig, size: Footprint) -> list[Job]:
-    """The control, inference and trainer jobs with the plan's resources."""
-    c, gpus = cfg.cluster, cfg.cluster.gpus_per_node
-    nodes = size.replica_nodes
-    instances = cfg.parallel.inference.replicas * pd_factor(cfg)
-    # GPUs per inference node: only those its instances use (the rest stay free for others)
-    used = gpus if nodes > 1 else min(instances, per_node(cfg, nodes)) * replica_gpus(cfg)
-    ranks = size.mesh["world"] // size.trainer_nodes
-    return [
-        job(cfg, "control", 1, 0, min(8, c.cpus_per_node), min(32, c.mem_gb_per_node)),
-        job(cfg, "inference", inference_nodes(cfg, nodes), used, c.cpus_per_node,
-            c.mem_gb_per_node),
-        job(cfg, "trainer", size.trainer_nodes, ranks if gpus else 0, c.cpus_per_node,
-            c.mem_gb_per_node),
-    ]  # fmt: skip
-
-
-def job(cfg: DictConfig, name: str, nodes: int, gpus: int, cpus: int, mem_gb: int) -> Job:
-    """One job; the control job (no GPUs) on `cluster.cpu_partition` where there is one."""
-    c = cfg.cluster
-    return Job(
-        name=name,
-        nodes=nodes,
-        gpus_per_node=gpus,
-        cpus_per_task=cpus,
-        mem_gb=mem_gb,
-        time_min=c.time_min,
-        partition=(c.cpu_partition or c.partition) if name == "control" else c.partition,
-        account=c.account,
-        qos=c.qos,
-        constraint=c.constraint,
-        sbatch_extra=dict(c.sbatch_extra),
-        exclusive=bool(c.exclusive) and name != "control",
     )
 
 
@@ -442,12 +368,17 @@ def format_plan(p: RunPlan, cfg: DictConfig) -> str:
         lines.append(header + "  partition/account/qos")
         for j in p.jobs:
             where = "/".join(str(x or "-") for x in (j.partition, j.account, j.qos))
+            mem = f"{j.mem_gb}GB" if j.mem_gb else "all"
             lines.append(
                 f"{j.name:<10} {j.nodes:>5} {j.gpus_per_node:>9} {j.cpus_per_task:>5} "
-                f"{j.mem_gb:>5}GB {j.time_min:>5}m  {where}"
+                f"{mem:>7} {j.time_min:>5}m  {where}"
             )
         for j in p.jobs:
             lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
+        lines += [f"setup: {line}" for line in setup_lines(cfg)]
+        if args := srun_args(cfg):
+            lines.append(f"srun: {shell_join(args)}")
+        lines.append(f"each node: {node_env_line(cfg)}")
     lines.append("")
     lines.append(f"{'process':<26} {'job':<10} {'node':>5} {'gpus/node':>9}  command")
     for proc in p.processes:

@@ -34,7 +34,7 @@ def launch(cfg: DictConfig) -> None:
 
         actions = {
             Action.status: status,
-            Action.cancel: slurm.cancel,
+            Action.cancel: partial(slurm.cancel, force=cfg.force),
             Action.export: partial(export, step=cfg.step),
         }
         try:  # the runs are found under the outputs folder, two levels above this one's

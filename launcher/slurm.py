@@ -12,14 +12,19 @@ clients themselves are called through launcher/slurm_cli.py.
 from __future__ import annotations
 
 import getpass
+import shlex
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import submitit
 from omegaconf import DictConfig, open_dict
 
+from launcher import slurm_cli
 from launcher.errors import ConfigError
-from launcher.plan import RunPlan, sbatch_parameters
+from launcher.plan import RunPlan
 from launcher.processes import FINISHING_ROLES
 from launcher.report import override, sweep_group
 from launcher.run_dir import prepare_run_dir
@@ -34,18 +39,91 @@ from launcher.slurm_cli import (
     slurm,
     write_jobs,
 )
+from launcher.slurm_jobs import additional_parameters, max_requeues, sbatch_parameters, srun_args
 from launcher.status import find_run, format_status
 from launcher.supervisor import JobRoles
-from rl.core.rundir import RunDir
+from rl.core.rundir import RunDir, sweep_point
+
+CANCEL_CHECKPOINT_S = 60.0
+"""The least `action=cancel` waits for the trainer's checkpoint (else the plan's signal delay)."""
+CANCEL_POLL_S = 0.5
 
 
 def preflight(cfg: DictConfig, run_plan: RunPlan) -> str:
-    """Check the jobs against what the cluster reports; returns the partition to use."""
+    """Check the jobs against what the cluster reports, and that a compute node runs the
+    jobs' Python; warn where Slurm's KillWait is shorter than a checkpoint. Returns the
+    partition to use."""
     part = _partition(cfg, partitions())
     _check_time_limit(cfg, part)
     _check_jobs_fit(cfg, run_plan, part)
     _check_account_and_qos(cfg)
+    _check_python(cfg, part.name)
+    _warn_of_kill_wait(cfg)
     return part.name
+
+
+def job_python(cfg: DictConfig) -> str:
+    """The interpreter the jobs run: `cluster.python`, or the one running `rl`."""
+    return cfg.cluster.python or shlex.quote(sys.executable)
+
+
+PYTHON_CHECK_S = 30
+"""How long the Python check waits for a node (srun's --immediate) before it gives up on
+checking: on a full cluster it says so and submits anyway."""
+
+
+def _check_python(cfg: DictConfig, partition: str) -> None:
+    """Run the jobs' Python on a compute node (one task, no GPU) and import Relay there:
+    a login node's virtual environment that the nodes do not see fails here, not in every
+    job. Where no node is free at once, says so and goes on."""
+    python = shlex.split(job_python(cfg))
+    args = ["srun", "--nodes=1", "--ntasks=1", f"--partition={partition}", "--time=2"]
+    args += [f"--immediate={PYTHON_CHECK_S}", "--quiet", *srun_args(cfg)]
+    if cfg.cluster.account:
+        args.append(f"--account={cfg.cluster.account}")
+    probe = "import launcher.supervisor, rl.core.runtime"
+    try:
+        done = subprocess.run(
+            [*args, *python, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=PYTHON_CHECK_S + 60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        print(f"note: the jobs' Python was not checked on a compute node ({err})", flush=True)
+        return
+    if done.returncode == 0:
+        return
+    said = (done.stderr or done.stdout).strip().splitlines()
+    last = said[-1] if said else f"exit code {done.returncode}"
+    if "Unable to allocate" in done.stderr or "Immediate execution impossible" in done.stderr:
+        print(f"note: the jobs' Python was not checked: no node free at once ({last})")
+        return
+    raise ConfigError(
+        f"cluster.python={' '.join(python)}: a compute node of partition {partition} cannot "
+        f"run it ({last}); set cluster.python to an interpreter with Relay installed that the "
+        f"nodes see (the project's .venv on the shared filesystem, or the container's)"
+    )
+
+
+def _warn_of_kill_wait(cfg: DictConfig) -> None:
+    """A preemption or a scancel sends SIGTERM, then SIGKILL after the site's KillWait: the
+    trainer's checkpoint of the step under way must fit in it."""
+    if not cfg.cluster.gpus_per_node:
+        return
+    from launcher.balance import checkpoint_seconds
+
+    need = checkpoint_seconds(cfg, bool(cfg.trainer.stop_checkpoint_optimizer))
+    kill_wait = slurm_cli.kill_wait_s()
+    if kill_wait is not None and kill_wait < need:
+        print(
+            f"warning: Slurm's KillWait is {kill_wait} s and the trainer's checkpoint of the "
+            f"step under way needs ~{need:.0f} s: a preemption or a plain scancel (SIGTERM, "
+            f"then SIGKILL) loses the steps since the last checkpoint; rl action=cancel and the "
+            f"time limit's USR2 ask for the checkpoint first (a site can raise KillWait, or "
+            f"the partition's GraceTime for preemption)",
+            flush=True,
+        )
 
 
 def _partition(cfg: DictConfig, parts: dict[str, Partition]) -> Partition:
@@ -183,24 +261,26 @@ def submit_together(
     any failure cancel what was submitted and raise ConfigError. Each run is announced with
     its directory, jobs, logs and status command; with `label` (a sweep's base) by one line."""
     submitted: list[str] = []
-    named: list[tuple[RunDir, str, dict[str, str]]] = []
+    named: list[tuple[RunDir, dict[str, str], dict[str, str]]] = []
     try:
         for cfg, run_plan, run in runs:
             ids: dict[str, str] = {}
-            point = run.root.name.split("-", 1)[0]  # a sweep point's number names its jobs too
-            run_name = f"{run_plan.run_name}-{point}" if point.isdigit() else run_plan.run_name
+            names: dict[str, str] = {}
+            point = sweep_point(run.root)  # a sweep point's number names its jobs too
             for job in run_plan.jobs:
                 executor = submitit.SlurmExecutor(
-                    folder=run.submitit_folder(job.name), max_num_timeout=cfg.cluster.max_requeues
+                    folder=run.submitit_folder(job.name),
+                    max_num_timeout=max_requeues(cfg),
+                    python=job_python(cfg),
                 )
-                extra = {"hold": True, **job.sbatch_extra}
-                executor.update_parameters(
-                    **sbatch_parameters(job, run_name, cfg), additional_parameters=extra
-                )
+                extra = {"hold": True, **additional_parameters(job)}
+                parameters = sbatch_parameters(job, run_plan.run_name, cfg, point)
+                executor.update_parameters(**parameters, additional_parameters=extra)
                 ids[job.name] = executor.submit(JobRoles(str(run.root), job.name)).job_id
+                names[job.name] = parameters["job_name"]
                 submitted.append(ids[job.name])
             write_jobs(run, partition, ids)
-            named.append((run, run_name, ids))
+            named.append((run, names, ids))
         slurm("scontrol", "release", ",".join(submitted))
     except BaseException as err:
         if submitted:
@@ -209,22 +289,66 @@ def submit_together(
             lines = str(err).strip().splitlines() or [type(err).__name__]
             raise ConfigError(f"submission failed, nothing left queued: {lines[-1]}") from None
         raise
-    for run, run_name, ids in named:
+    for run, names, ids in named:
         if label:
             jobs = ", ".join(f"job {job_id} ({name})" for name, job_id in ids.items())
             print(f"{label}: submitted {jobs}, partition {partition}: {run.root}")
             continue
         print(f"run directory: {run.root}")
         for name, job_id in ids.items():
-            print(f"submitted job {job_id}: {run_name}-{name} (partition {partition})")
+            print(f"submitted job {job_id}: {names[name]} (partition {partition})")
         print(f"logs: {run.logs}/ (roles), {run.slurm}/<job>/ (each job's supervisor)")
         print(f"status: uv run rl action=status {override('run_dir', run.root)}")
 
 
-def cancel(run_dir: str | None, outputs: Path) -> None:
-    """Cancel the run's jobs (`action=cancel`), recording who did, and show its status."""
+def cancel(run_dir: str | None, outputs: Path, force: bool = False) -> None:
+    """Cancel the run's jobs (`action=cancel`), recording who did, and show its status. A
+    running trainer is first asked to checkpoint the step under way (as Ctrl-C asks a local
+    run), waited for up to the plan's estimate of a step and a checkpoint, so that a resume
+    loses no step; `force` cancels at once."""
     run = find_run(run_dir, outputs)
-    if not read_jobs(run):
+    ids = read_jobs(run)
+    if not ids:
         raise ConfigError(f"run_dir={run.root}: not a Slurm run (no {run.jobs.name})")
-    cancel_run(run, f"cancelled by {getpass.getuser()} (rl action=cancel)")
+    reason = f"cancelled by {getpass.getuser()} (rl action=cancel)"
+    if not force and trainer_running(run, ids):
+        step = checkpoint_first(run)
+        reason += f" after a checkpoint at step {step}" if step is not None else ""
+    cancel_run(run, reason)
     print(format_status(run))
+
+
+def trainer_running(run: RunDir, ids: dict[str, str]) -> bool:
+    """Whether the job that holds the run's trainer is running (the run unfinished)."""
+    if run.complete.exists() or run.failure.exists():
+        return False
+    job = ids.get("trainer") or ids.get("run")
+    if job is None:
+        return False
+    state = job_states([job]).get(job)
+    return state is not None and state.state.split()[0] == "RUNNING"
+
+
+def checkpoint_first(run: RunDir) -> int | None:
+    """Ask the trainer to checkpoint the step under way and stop; wait for it up to the
+    plan's signal delay (a step and a checkpoint, with a margin). The step it checkpointed
+    at, or None when it did not within that time."""
+    budget = float(max(CANCEL_CHECKPOINT_S, run.load_config().cluster.signal_delay_s or 0))
+    print(
+        f"asking the trainer to checkpoint the step under way, then cancelling (waiting up to "
+        f"{budget:.0f} s; force=true cancels at once)",
+        flush=True,
+    )
+    run.control.mkdir(exist_ok=True)
+    run.checkpoint_request.touch()
+    deadline = time.monotonic() + budget
+    while time.monotonic() < deadline:
+        if run.checkpointed.exists():
+            step = int(run.checkpointed.read_text())
+            print(f"the trainer checkpointed at step {step}", flush=True)
+            return step
+        if run.complete.exists() or run.failure.exists():
+            break
+        time.sleep(CANCEL_POLL_S)
+    print(f"no checkpoint within {budget:.0f} s: cancelling anyway", flush=True)
+    return None

@@ -54,6 +54,17 @@ def slurm(*args: str, check: bool = True) -> str:
 # --- what the cluster has --------------------------------------------------------------------
 
 
+def kill_wait_s() -> int | None:
+    """Slurm's KillWait: seconds between a job's SIGTERM and its SIGKILL (None where
+    `scontrol show config` does not say)."""
+    try:
+        config = slurm("scontrol", "show", "config")
+    except ConfigError:
+        return None
+    found = re.search(r"^KillWait\s*=\s*(\d+)", config, re.MULTILINE)
+    return int(found[1]) if found else None
+
+
 @dataclass
 class Partition:
     name: str

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,9 @@ from launcher.processes import (
     stop_children,
 )
 from launcher.report import finish_run
+from launcher.slurm_jobs import node_env
 from launcher.tracking import Follow
-from rl.core.rundir import SERVICE, RunDir, point_dirs, shared_service
+from rl.core.rundir import SERVICE, RunDir, point_dirs, shared_service, write_atomic
 from rl.core.runtime import (
     CHECKPOINT_ON_TERM_ENV,
     RUN_DIR_ENV,
@@ -52,8 +54,9 @@ REQUEUABLE = ("PREEMPTED", "NODE_FAIL")
 REQUEUE_GRACE_S = 90.0
 STARTED = ("RUNNING", "COMPLETING", "COMPLETED")
 CANCEL_WAIT_S = 60.0
-# How long the trainer may take to checkpoint after a SIGTERM; Slurm's SIGKILL follows after
-# its KillWait (30 s by default), which ends the wait sooner.
+# The least the trainer may take to checkpoint after a SIGTERM (else the plan's estimate);
+# Slurm's SIGKILL follows after its KillWait (30 s by default), which ends the wait sooner
+# (the plan warns where KillWait is shorter than the checkpoint needs).
 TERM_CHECKPOINT_S = 60.0
 # Ports a replica spanning nodes is joined on at its head (vLLM's data-parallel RPC or
 # torch.distributed port): one per job and head node, away from the trainer's (20000-39999).
@@ -115,10 +118,23 @@ class JobRoles(submitit.helpers.Checkpointable):
 
 def nothing_left(run: RunDir, job: str) -> bool:
     """Whether `job` has no more work in the run: it ended, or the job's part of it is done
-    (the trainer's steps; for the other jobs, the whole run with its report)."""
+    (a per_role trainer job's steps; for any other job, the whole run with its report)."""
     if run.complete.exists() or run.failure.exists():
         return True
     return job == "trainer" and run.done("trainer").exists()
+
+
+def restart_key() -> str:
+    """This start of this job: its id and how often Slurm has requeued it."""
+    return f"{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def free_port() -> int:
+    """A port free on this node now (the trainer's rendezvous: derived from the job id, it
+    could collide with another run's on a shared node)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def bind_devices(planned: str, allocated: str | None) -> str:
@@ -156,29 +172,56 @@ class NodeSupervisor:
     # --- start -----------------------------------------------------------------------------
 
     def processes(self) -> list[dict[str, Any]]:
-        """The plan's processes this node runs: the whole trainer on every trainer node,
-        inference instances on the node the plan put them (several share a node when each
-        needs part of its GPUs; a replica spanning nodes starts on its first), the control
-        roles on node 0."""
+        """The plan's processes this node runs: inference instances on the node the plan put
+        them (several share a node when each needs part of its GPUs; a replica spanning nodes
+        starts a process on each), the control roles on the first node of theirs, and the
+        trainer's torchrun on every node from its first (`nodes` of them)."""
         return [
             proc
             for proc in self.plan["processes"]
-            if proc["job"] == self.job and (self.job == "trainer" or proc["node"] == self.node)
+            if proc["job"] == self.job
+            and proc["node"] <= self.node < proc["node"] + proc.get("nodes", 1)
         ]
 
-    def environment(self) -> dict[str, str]:
+    def runs(self, role: str) -> bool:
+        return any(proc["role"] == role for proc in self.processes())
+
+    def environment(self, proc: dict[str, Any]) -> dict[str, str]:
+        """What a process's command line and environment read: the run, this node's address
+        (vLLM's NIXL side channel too, and the network interface where one is named), its node
+        rank among its role's nodes, and the trainer's rendezvous on the role's first node."""
         nodes = slurm_cli.hostnames(os.environ["SLURM_JOB_NODELIST"])
-        here = os.environ.get("SLURMD_NODENAME", nodes[self.node])
-        port = self.cfg.cluster.master_port or 20000 + int(self.job_id) % 20000
-        return {
+        here = slurm_cli.node_address(os.environ.get("SLURMD_NODENAME", nodes[self.node]))
+        values = {
             RUN_DIR_ENV: str(self.rundir.root),
             "RELAY_TOKEN": self.rundir.token(),
-            "RELAY_HOST": slurm_cli.node_address(here),
-            "RELAY_MASTER_ADDR": slurm_cli.node_address(nodes[0]),
-            "RELAY_MASTER_PORT": str(port),
+            "RELAY_HOST": here,
+            "RELAY_NODE_RANK": str(self.node - proc["node"]),
             "SLURM_NODEID": str(self.node),
             CHECKPOINT_ON_TERM_ENV: "1",
+            **node_env(self.cfg, here),
         }
+        if proc["role"] == "trainer":
+            values["RELAY_MASTER_ADDR"] = slurm_cli.node_address(nodes[proc["node"]])
+            values["RELAY_MASTER_PORT"] = str(self.master_port(first=self.node == proc["node"]))
+        return values
+
+    def master_port(self, first: bool) -> int:
+        """The trainer's rendezvous port: `cluster.master_port`, or one free on its first
+        node, which that node's supervisor picks and the others read from the run
+        directory (one file per start of the job)."""
+        if self.cfg.cluster.master_port:
+            return int(self.cfg.cluster.master_port)
+        path = self.rundir.control / f"master_port.{restart_key()}"
+        if first:
+            write_atomic(path, str(free_port()))
+        deadline = time.monotonic() + self.cfg.timeouts.peer_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the trainer's first node did not write {path}")
+            self.check_failure()
+            time.sleep(POLL_S)
+        return int(path.read_text())
 
     def head_values(self, head: int) -> dict[str, str]:
         """Where the other nodes of a replica spanning nodes find its head: the head node's
@@ -191,19 +234,20 @@ class NodeSupervisor:
         }
 
     def start(self) -> None:
-        if self.job == "trainer":  # a request from before a requeue is answered already
+        if self.runs("trainer"):  # a request from before a requeue is answered already
             for marker in (self.rundir.checkpoint_request, self.rundir.checkpointed):
                 marker.unlink(missing_ok=True)
-        values = self.environment()
         self.rundir.logs.mkdir(exist_ok=True)
         for proc in self.processes():
+            values = self.environment(proc)
             if proc.get("head") is not None:  # a node of a replica spanning nodes
                 values = {**values, **self.head_values(proc["head"])}
             env = {**os.environ, **proc["env"], **values}
             if planned := proc["env"].get("CUDA_VISIBLE_DEVICES"):  # among the job's own GPUs
                 allocated = os.environ.get("CUDA_VISIBLE_DEVICES")
                 env["CUDA_VISIBLE_DEVICES"] = bind_devices(planned, allocated)
-            name = proc["name"] if self.job != "trainer" else f"trainer-node{self.node}"
+            rank = self.node - proc["node"]
+            name = proc["name"] if proc["role"] != "trainer" else f"trainer-node{rank}"
             argv = expand(proc["argv"], values)
             self.children.append(spawn(name, proc["role"], argv, env, self.rundir.log(name)))
             node = os.environ.get("SLURMD_NODENAME", "?")
@@ -247,9 +291,21 @@ class NodeSupervisor:
         return states
 
     def wait_for_peers(self, peers: dict[str, str]) -> None:
-        """Start the roles only once every other job of the run has started. A job Slurm does
-        not list yet (or while neither the controller nor the accounting answers) is waited
-        for like a pending one."""
+        """Start the roles only once every other job of the run has started (a run that is one
+        job has none to wait for), for at most `timeouts.co_start_s`: past it the run is
+        cancelled, naming the jobs that did not start and why. Node 0 of the job asks Slurm
+        and records that they started; its other nodes read that. A job Slurm does not list yet
+        (or while neither the controller nor the accounting answers) is waited for like a
+        pending one."""
+        if not peers:
+            return
+        started = self.rundir.control / f"peers_started.{self.job}.{restart_key()}"
+        deadline = time.monotonic() + self.cfg.timeouts.co_start_s
+        if self.node != 0:
+            while not started.exists():
+                self.check_failure()
+                time.sleep(PEER_POLL_S)
+            return
         last_note = 0.0
         unlisted = slurm_cli.JobState("not listed yet", "", "", "Slurm has no state for it")
         while True:
@@ -260,12 +316,18 @@ class NodeSupervisor:
                 if states.get(job_id, unlisted).state.split()[0] not in STARTED
             }
             if not waiting:
+                started.touch()
                 return
-            if time.monotonic() - last_note > 30:
-                self.log.info(
-                    "waiting for jobs to start: %s",
-                    ", ".join(f"{n} ({s.state}, {s.reason})" for n, s in waiting.items()),
+            said = ", ".join(f"{n} ({s.state}, {s.reason})" for n, s in waiting.items())
+            if time.monotonic() > deadline:
+                self.fail(
+                    f"jobs did not start together within {self.cfg.timeouts.co_start_s:g} s "
+                    f"(timeouts.co_start_s): {said}",
+                    self.job,
+                    cancel_self=True,
                 )
+            if time.monotonic() - last_note > 30:
+                self.log.info("waiting for jobs to start: %s", said)
                 last_note = time.monotonic()
             self.check_failure()
             time.sleep(PEER_POLL_S)
@@ -307,7 +369,9 @@ class NodeSupervisor:
                 continue
             if self.stopping:
                 continue  # stopped by Slurm or for a requeue: neither done nor failed
-            if child.role == "trainer" and self.checkpoint_requested():
+            if child.role == "trainer" and (
+                self.checkpoint_requested() or self.rundir.checkpointed.exists()
+            ):
                 continue  # it checkpointed and stopped, as asked: neither done nor failed
             if code == 0 and child.role in FINISHING_ROLES:
                 finished.append(child)
@@ -329,7 +393,7 @@ class NodeSupervisor:
             return False
         if age <= max(self.checkpoint_budget_s(), TERM_CHECKPOINT_S) + SUPERVISE_S:
             return True
-        if self.job == "trainer":
+        if self.runs("trainer"):
             self.log.warning("removing a stale checkpoint request (%.0f s old)", age)
             request.unlink(missing_ok=True)
         return False
@@ -339,24 +403,31 @@ class NodeSupervisor:
         return max(10.0, self.cfg.cluster.signal_delay_s - 30.0)
 
     def finished(self, done: list[Child]) -> bool:
-        """Whether this node's part of the run is over (and, for control, report it)."""
-        if self.job == "trainer":
-            if done and self.node == 0:
-                self.rundir.mark_done("trainer")
-            return bool(done)
+        """Whether this node's part of the run is over: a trainer node's once its trainer is
+        done (its first node records it); a node with the control roles reports the run and
+        marks it complete once the trainer and the orchestrator are done; any other node's
+        (inference) once the run is complete."""
+        ended = {child.role for child in done}
+        if "trainer" in ended and self.node == self.trainer_first_node():
+            self.rundir.mark_done("trainer")
         if self.is_service():  # serves until every point of the sweep has ended
             if all_points_ended(self.rundir.root.parent):
                 self.rundir.complete.touch()
             return self.rundir.complete.exists()
-        if self.job == "inference":
-            return self.rundir.complete.exists()
-        if any(c.role == "orchestrator" for c in done):
+        if {p["role"] for p in self.processes()} == {"trainer"}:
+            return "trainer" in ended or self.rundir.done("trainer").exists()
+        if "orchestrator" in ended:
             self.rundir.mark_done("orchestrator")
-        if not all(self.rundir.done(role).exists() for role in FINISHING_ROLES):
-            return False
-        self.report()
-        self.rundir.complete.touch()
-        return True
+        if self.runs("orchestrator") and not self.rundir.complete.exists():
+            if not all(self.rundir.done(role).exists() for role in FINISHING_ROLES):
+                return False
+            self.report()
+            self.rundir.complete.touch()
+        return self.rundir.complete.exists()
+
+    def trainer_first_node(self) -> int:
+        trainer = [p for p in self.plan["processes"] if p["role"] == "trainer"]
+        return trainer[0]["node"] if trainer and trainer[0]["job"] == self.job else -1
 
     def report(self, status: str = "finished") -> None:
         """Log what is left to wandb, end the wandb run and write the run's summary."""
@@ -384,17 +455,21 @@ class NodeSupervisor:
         peers = self.peers()
         self.wait_for_peers(peers)
         self.start()
-        if self.job == "control":
+        if self.runs("orchestrator"):
             self.follow = Follow(self.cfg, self.rundir, echo=True)
         last_peer_check = time.monotonic()
         while True:
+            if self.stopping:  # Slurm's SIGTERM: the roles have stopped (the trainer after
+                self.log.info("stopped as Slurm asked")  # its checkpoint); so does this node
+                return
             if self.follow is not None:
                 self.follow.poll()
             self.check_failure()
             if self.finished(self.check_children()):
                 self.log.info("this node's part of the run is over")
                 return
-            if time.monotonic() - last_peer_check > PEER_POLL_S:
+            # Node 0 of each job asks Slurm about the others; every node reads failure.json.
+            if peers and self.node == 0 and time.monotonic() - last_peer_check > PEER_POLL_S:
                 self.check_peers(peers)
                 last_peer_check = time.monotonic()
             time.sleep(SUPERVISE_S)
@@ -407,7 +482,7 @@ class NodeSupervisor:
         if self.stopping:
             return
         self.log.warning("SIGTERM from Slurm: this job is being cancelled, requeued or preempted")
-        self.checkpoint_and_stop(TERM_CHECKPOINT_S)
+        self.checkpoint_and_stop(max(TERM_CHECKPOINT_S, self.checkpoint_budget_s()))
 
     # --- requeue ---------------------------------------------------------------------------
 
@@ -419,9 +494,11 @@ class NodeSupervisor:
     def checkpoint_and_stop(self, budget: float) -> None:
         """The trainer checkpoints at the step it is on (waited for up to `budget` seconds);
         the other roles keep their place in the run directory (queue store, orchestrator
-        through the queue) and just stop."""
+        through the queue) and stop. In a run that is one job every node is told together:
+        the queue and the inference servers then wait for the trainer's checkpoint (the step
+        under way needs them) before they stop."""
         self.stopping = True
-        if self.job == "trainer" and self.children:
+        if self.runs("trainer") and self.children:
             self.rundir.checkpoint_request.touch()
             deadline = time.monotonic() + budget
             while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
@@ -431,5 +508,12 @@ class NodeSupervisor:
                 self.log.info("trainer checkpointed at step %s; stopping", marker.read_text())
             else:
                 self.log.warning("trainer stopped without checkpointing (waited %.0f s)", budget)
+        elif self.children and self.trainer_first_node() >= 0:  # the trainer is in this job
+            self.rundir.checkpoint_request.touch()
+            deadline = time.monotonic() + budget
+            ended = (self.rundir.checkpointed, self.rundir.complete, self.rundir.failure)
+            while time.monotonic() < deadline and not any(p.exists() for p in ended):
+                time.sleep(POLL_S)
+            self.log.info("stopping after the trainer's checkpoint")
         stop_children(self.children)
         self.children = []

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from launcher.plan import plan
 from launcher.processes import POLL_S, RunFailed, expand, spawn, stop_children, tail
 from launcher.tracking import Console, MetricsTail
-from rl.core.config import ClusterKind, WeightTransport
+from rl.core.config import Allocation, ClusterKind, WeightTransport
 from rl.core.rundir import BASES, RunDir, is_complete
 
 # What the warm-up reads: a point that differs from another here needs a base of its own.
@@ -117,7 +117,15 @@ def submitted_base(cfg: DictConfig, run: RunDir) -> str | None:
     if run.config.exists():
         return read_jobs(run)["trainer"]
     base = base_config(cfg)
-    base_plan = plan(cfg)  # the point's: a base run has no RL step to plan
+    # The point's plan (a base run has no RL step to plan), its trainer as a job of its own.
+    with open_dict(cfg):
+        layout = cfg.cluster.allocation
+        cfg.cluster.allocation = Allocation.per_role
+    try:
+        base_plan = plan(cfg)
+    finally:
+        with open_dict(cfg):
+            cfg.cluster.allocation = layout
     base_plan.processes = base_plan.role("trainer")
     base_plan.jobs = [job for job in base_plan.jobs if job.name == "trainer"]
     run.create(base, secrets.token_hex(16), base_plan.to_json())

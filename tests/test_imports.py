@@ -177,7 +177,7 @@ LAUNCHER_LAYERS = (
     ("launcher", "launcher.errors", "launcher.gpus", "launcher.report", "launcher.memory"),
     ("launcher.balance",),
     ("launcher.tracking", "launcher.sizing", "launcher.help"),
-    ("launcher.estimates", "launcher.vllm_args"),
+    ("launcher.estimates", "launcher.vllm_args", "launcher.slurm_jobs"),
     ("launcher.checks",),
     ("launcher.plan",),
     ("launcher.run_dir", "launcher.processes", "launcher.slurm_cli"),

@@ -51,7 +51,11 @@ def test_slurm_matrix_plans(model: str) -> None:
         assert "tp" not in mesh  # the trainer has no tensor parallelism
         trainer = p.role("trainer")[0]
         assert trainer.nodes * trainer.gpus_per_node == mesh["world"]
-        assert {j.name for j in p.jobs} == {"control", "inference", "trainer"}
+        # One allocation: the inference nodes first, then the trainer's, every role in it.
+        (job,) = p.jobs
+        assert job.name == "run" and {q.job for q in p.processes} == {"run"}
+        serving = max(q.node for q in p.role("inference")) + 1
+        assert trainer.node == serving and job.nodes == serving + trainer.nodes
         inference = p.role("inference")
         assert inference and all("--tensor-parallel-size" in proc.argv for proc in inference)
         json.loads(p.to_json())
@@ -470,17 +474,20 @@ def slurm_plan(*overrides: str) -> Any:
     return plan(compose_run("model=qwen3_0_6b", "cluster=slurm", "dry_run=true", *overrides))
 
 
+PER_ROLE = "cluster.allocation=per_role"  # a job per role: the inference job's own layout
+
+
 def test_replicas_needing_part_of_a_node_are_packed_and_bound_to_their_gpus() -> None:
     """parallel=dp's eight one-GPU replicas used to take eight 8-GPU nodes (56 GPUs idle)."""
-    eight = slurm_plan("parallel=dp")
+    eight = slurm_plan("parallel=dp", PER_ROLE)
     assert next(j for j in eight.jobs if j.name == "inference").nodes == 1
     placed = [(p.node, p.env["CUDA_VISIBLE_DEVICES"]) for p in eight.role("inference")]
     assert placed == [(0, str(i)) for i in range(8)]
-    pairs = slurm_plan("parallel=dp", "parallel.inference.tp=2")
+    pairs = slurm_plan("parallel=dp", "parallel.inference.tp=2", PER_ROLE)
     placed = [(p.node, p.env["CUDA_VISIBLE_DEVICES"]) for p in pairs.role("inference")]
     assert placed == [(n, f"{2 * i},{2 * i + 1}") for n in (0, 1) for i in range(4)]
     assert next(j for j in pairs.jobs if j.name == "inference").nodes == 2
-    single = slurm_plan()  # one one-GPU replica: its job asks for that one GPU
+    single = slurm_plan(PER_ROLE)  # one one-GPU replica: its job asks for that one GPU
     job = next(j for j in single.jobs if j.name == "inference")
     assert (job.nodes, job.gpus_per_node) == (1, 1)
     printed = format_plan(eight, compose_run("model=qwen3_0_6b", "cluster=slurm"))
@@ -489,7 +496,7 @@ def test_replicas_needing_part_of_a_node_are_packed_and_bound_to_their_gpus() ->
 
 def test_a_replica_spanning_nodes_starts_on_every_node_of_its_share() -> None:
     """glm5's replicas used to start on their first node only; each instance spans 4 nodes."""
-    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", "dry_run=true")
+    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", "dry_run=true", PER_ROLE)
     planned = plan(cfg)
     placed = [
         (p.name, p.node, p.head, p.env["CUDA_VISIBLE_DEVICES"]) for p in planned.role("inference")
@@ -613,12 +620,43 @@ def test_every_node_of_a_replica_finds_the_same_head(monkeypatch: pytest.MonkeyP
 def test_each_node_supervisor_starts_the_processes_placed_on_it() -> None:
     from launcher.supervisor import NodeSupervisor
 
-    planned = json.loads(slurm_plan("parallel=dp", "parallel.inference.tp=2").to_json())
+    planned = json.loads(slurm_plan("parallel=dp", "parallel.inference.tp=2", PER_ROLE).to_json())
     for node, replicas in ((0, ["0", "1", "2", "3"]), (1, ["4", "5", "6", "7"])):
         supervisor = NodeSupervisor.__new__(NodeSupervisor)
         supervisor.plan, supervisor.job, supervisor.node = planned, "inference", node
         started = [p["argv"][p["argv"].index("--replica") + 1] for p in supervisor.processes()]
         assert started == replicas
+
+
+def test_one_allocation_splits_its_nodes_by_role() -> None:
+    """GLM-5's run as one job of 29 nodes: the two 4-node instances on nodes 0-7, the queue,
+    orchestrator and router on node 0, the trainer on nodes 8-28; each node's supervisor
+    starts what is placed on it, the trainer's with its node rank among the trainer's."""
+    from launcher.slurm_jobs import sbatch_flags
+    from launcher.supervisor import NodeSupervisor
+
+    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm")
+    p = plan(cfg)
+    (job,) = p.jobs
+    assert (job.name, job.nodes, job.gpus_per_node, job.mem_gb) == ("run", 29, 8, 0)
+    flags = sbatch_flags(job, p.run_name, cfg).split()
+    assert {"--requeue", "--exclusive", "--mem=0", "--job-name=reverse_text-glm5"} <= set(flags)
+    assert not any(flag.startswith("--wckey") for flag in flags)
+    planned = json.loads(p.to_json())
+    started = {}
+    for node in (0, 4, 7, 8, 28):
+        supervisor = NodeSupervisor.__new__(NodeSupervisor)
+        supervisor.plan, supervisor.job, supervisor.node = planned, "run", node
+        started[node] = sorted(q["name"] for q in supervisor.processes())
+    assert started == {
+        0: ["inference-0", "inference-0-prefill", "orchestrator", "queue"],
+        4: ["inference-0-decode"],
+        7: ["inference-0-decode-node3"],
+        8: ["trainer"],
+        28: ["trainer"],
+    }
+    (trainer,) = p.role("trainer")
+    assert (trainer.node, trainer.nodes) == (8, 21) and "${RELAY_NODE_RANK}" in trainer.argv
 
 
 def test_planned_gpus_are_the_jobs_own() -> None:

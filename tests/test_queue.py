@@ -123,7 +123,19 @@ def test_refuses_unauthenticated_malformed_and_over_capacity(queue: Any) -> None
 
 
 def test_acknowledged_groups_survive_kill_9(queue: Any) -> None:
+    """The store as a network filesystem holds it: WAL without the shared-memory file
+    (locking_mode=EXCLUSIVE), locked to the queue; a queue killed outright loses nothing it
+    acknowledged."""
+    import sqlite3
+
+    from rl.core.rundir import RunDir
+
     push(queue, group(0), group(0, (7,)))
+    store = RunDir(queue.run_dir).queue_store
+    assert store.with_name(store.name + "-wal").exists()
+    assert not store.with_name(store.name + "-shm").exists()
+    with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+        sqlite3.connect(store, timeout=0.1).execute("SELECT COUNT(*) FROM groups").fetchone()
     stop_role(queue.proc, signal.SIGKILL)
     restarted = start(queue.run_dir)
     try:
@@ -412,7 +424,9 @@ def test_a_store_that_lost_commits_refuses_to_start(tmp_path: Path) -> None:
     # A bad frame in the middle: SQLite silently keeps only the transactions before it.
     damaged, damaged_marks = hot_copy(run.queue_store, run.queue_marks, tmp_path / "damaged")
     corrupt_frame(damaged.with_name(damaged.name + "-wal"), frames // 2)
-    held = Store(damaged).last_step()  # without marks, nothing notices
+    unchecked = Store(damaged)
+    held = unchecked.last_step()  # without marks, nothing notices
+    unchecked.close()  # the store is locked to one process at a time
     assert held < 5
     with pytest.raises(StoreLost) as refused:
         Store(damaged, damaged_marks)

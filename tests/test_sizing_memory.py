@@ -217,7 +217,8 @@ def test_item5_balance_is_of_the_order_of_prime_rls_glm5_layout() -> None:
     cfg = compose_run(*GLM5, *PRIME_RL_GLM5[:2], "environment.max_context_tokens=8192",
                       "environment.max_tokens=4096")  # fmt: skip
     p = plan(cfg)
-    jobs = {j.name: j.nodes for j in p.jobs}
+    trainer = p.role("trainer")[0].nodes
+    jobs = {"trainer": trainer, "inference": p.jobs[0].nodes - trainer}  # one allocation
     # prime-rl: 16 trainer nodes, 16 inference nodes (2 x (4 prefill + 4 decode)); the float32
     # master state takes more trainer nodes here.
     assert 8 <= jobs["trainer"] <= 48 and 8 <= jobs["inference"] <= 32, jobs
@@ -264,16 +265,24 @@ def test_item7_signal_delay_covers_the_step_and_the_checkpoint() -> None:
     light = compose_run(*GLM5, "trainer.stop_checkpoint_optimizer=false")
     plan(light)
     assert light.cluster.signal_delay_s < full
-    with pytest.raises(PlanError, match=r"signal_delay_s=120: too short: .* 8.93 TB"):
+    with pytest.raises(PlanError, match=r"signal_delay_s=120: too short: .* 8.9 TB"):
         plan(compose_run(*GLM5, "cluster.signal_delay_s=120"))
     with pytest.raises(PlanError, match="more than half of cluster.time_min=10"):
         plan(compose_run(*GLM5, "cluster.time_min=10"))
 
 
 def test_item8_control_job_goes_to_the_cpu_partition() -> None:
-    p = plan(compose_run(*GLM5, "cluster.partition=gpu", "cluster.cpu_partition=cpu"))
-    partitions = {j.name: j.partition for j in p.jobs}
-    assert partitions == {"control": "cpu", "inference": "gpu", "trainer": "gpu"}
+    """Per role, the control job (no GPUs) asks only the cluster.cpu_* options, not the GPU
+    jobs' constraint, QOS or extra sbatch options; one allocation has no control job."""
+    site = (
+        "cluster.partition=gpu", "cluster.cpu_partition=cpu", "cluster.constraint=h100",
+        "cluster.qos=high", "cluster.account=lab", "+cluster.sbatch_extra.comment=x",
+    )  # fmt: skip
+    p = plan(compose_run(*GLM5, *site, "cluster.allocation=per_role"))
+    asked = {j.name: (j.partition, j.account, j.qos, j.constraint, j.sbatch_extra) for j in p.jobs}
+    gpu = ("gpu", "lab", "high", "h100", {"comment": "x"})
+    assert asked == {"control": ("cpu", "lab", None, None, {}), "inference": gpu, "trainer": gpu}
+    assert {j.name: j.partition for j in plan(compose_run(*GLM5, *site)).jobs} == {"run": "gpu"}
 
 
 def test_flagship_defaults_no_warm_up_and_the_environments_served_length() -> None:

@@ -20,10 +20,11 @@ from launcher import slurm_cli
 from launcher.processes import spawn, stop_children
 from launcher.report import read_records
 from rl.core.kinds import is_eval, is_train
-from rl.core.rundir import RunDir
+from rl.core.rundir import RunDir, step_versions
 
 RL = str(Path(sys.executable).with_name("rl"))
 CLUSTER = ["cluster=slurm_cpu", "warmup.steps=80"]
+PER_ROLE = "cluster.allocation=per_role"
 ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -115,6 +116,17 @@ def requeue(job_id: str, sigterm: bool = False) -> None:
     slurm_cli.slurm("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
+def started_on(run_dir: Path) -> dict[str, str]:
+    """The node each process was started on, as the supervisors logged it."""
+    found = {}
+    for log in (run_dir / "slurm").glob("*/*_log.out"):
+        for line in log.read_text().splitlines():
+            if " INFO started " in line:
+                name, _, node = line.split(" INFO started ")[1].split(" ")[:3]
+                found[name] = node
+    return found
+
+
 def queued_jobs() -> set[str]:
     return set(slurm_cli.slurm("squeue", "-h", "-o", "%i").split())
 
@@ -126,10 +138,14 @@ def test_run_completes_across_nodes_and_reward_rises(tmp_path: Path) -> None:
     # Submission returns at once and leaves the run to Slurm; no partition: the default one.
     assert "(partition cpu)" in result.stdout
     states = final_states(run_dir)
-    assert {name: s.state for name, s in states.items()} == dict.fromkeys(states, "COMPLETED")
-    assert set(states) == {"control", "inference", "trainer"}
-    assert states["inference"].nodes != states["trainer"].nodes, states
+    # One job: the inference node (with the queue and orchestrator), then the trainer's.
+    assert {name: s.state for name, s in states.items()} == {"run": "COMPLETED"}
+    assert len(slurm_cli.hostnames(states["run"].nodes)) == 2, states
+    started = started_on(run_dir)
+    assert started["inference-0"] == started["queue"] == started["orchestrator"]
+    assert started["trainer-node0"] != started["inference-0"], started
     assert RunDir(run_dir).complete.exists() and not RunDir(run_dir).failure.exists()
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"  # other users cannot read it
     assert train_steps(run_dir) == list(range(1, 201))
     summary = json.loads((run_dir / "summary.json").read_text())
     first, last = summary["eval/exact_match/first"], summary["eval/exact_match/last"]
@@ -138,7 +154,7 @@ def test_run_completes_across_nodes_and_reward_rises(tmp_path: Path) -> None:
     status = rl(tmp_path, "action=status", f"run_dir={run_dir}")
     assert status.returncode == 0, status.stderr
     assert "latest step 200/200" in status.stdout and "complete" in status.stdout
-    assert status.stdout.count("COMPLETED") == 3
+    assert status.stdout.count("COMPLETED") == 1
 
 
 VLLM_PYTHON = os.environ.get("RELAY_VLLM_PYTHON", "")
@@ -171,12 +187,7 @@ def test_a_vllm_replica_spanning_two_nodes_serves_a_run_and_comes_back_without_o
     assert {name: s.state for name, s in states.items()} == dict.fromkeys(states, "COMPLETED")
     assert train_steps(run_dir) == list(range(1, 11))
     # One node each, named in the supervisors' logs.
-    started = {}
-    for log in (run_dir / "slurm" / "inference").glob("*_log.out"):
-        for line in log.read_text().splitlines():
-            if " INFO started inference-0" in line:
-                name, node = line.split(" INFO started ")[1].split(" ")[:3:2]
-                started[name] = node
+    started = {k: v for k, v in started_on(run_dir).items() if k.startswith("inference-0")}
     assert set(started) == {"inference-0", "inference-0-node1"}, started
     assert started["inference-0"] != started["inference-0-node1"]
     head = (logs / "inference-0.log").read_text()
@@ -194,7 +205,8 @@ def test_a_vllm_replica_spanning_two_nodes_serves_a_run_and_comes_back_without_o
 
 @needs_slurm
 def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
-    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=300"))
+    """A job per role (`cluster.allocation=per_role`): one of them cancelled ends the run."""
+    run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=300", PER_ROLE))
     ids = slurm_cli.read_jobs(RunDir(run_dir))
     wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 300, "the first trainer step")
     slurm_cli.slurm("scancel", ids["inference"])
@@ -216,36 +228,130 @@ def test_cancelling_the_inference_job_cancels_the_run(tmp_path: Path) -> None:
 
 @needs_slurm
 def test_requeued_jobs_resume_where_they_were(tmp_path: Path) -> None:
-    """The trainer job, then the control job, are told to stop and requeued in one run; then
-    the trainer job is requeued with SIGTERM, no warning."""
+    """The run's one job is told to stop (USR2, as before the time limit) and requeued; then
+    requeued with SIGTERM, no warning: every node is told at once, and the queue and the
+    inference server wait for the trainer's checkpoint of the step under way."""
     # No periodic checkpoints: the one the trainer resumes from is the one it wrote when told.
     run_dir = submitted_run(rl(tmp_path, *CLUSTER, "max_steps=60", "trainer.checkpoint_every=0"))
-    ids = slurm_cli.read_jobs(RunDir(run_dir))
+    (job,) = slurm_cli.read_jobs(RunDir(run_dir)).values()
     wait_until(lambda: len(steps_so_far(run_dir)) >= 10, 300, "10 trainer steps")
-    requeue(ids["trainer"])
+    requeue(job)
     log_path = run_dir / "logs" / "trainer-node0.log"
     wait_until(lambda: "continuing at step" in log_path.read_text(), 300, "the trainer to resume")
     wait_until(lambda: len(steps_so_far(run_dir)) >= 30, 300, "30 trainer steps")
-    requeue(ids["control"])
-    wait_until(lambda: len(steps_so_far(run_dir)) >= 40, 300, "40 trainer steps")
-    requeue(ids["trainer"], sigterm=True)
+    requeue(job, sigterm=True)
     states = final_states(run_dir)
     assert {s.state for s in states.values()} == {"COMPLETED"}, states
     log = log_path.read_text()
     stops = [int(part.split()[0]) for part in log.split("checkpointed at step ")[1:]]
-    assert len(stops) == 2 and 10 <= stops[0] < 30 and 40 <= stops[1] < 60, stops
+    assert len(stops) == 2 and 10 <= stops[0] < 30 <= stops[1] < 60, stops
     for stopped in stops:  # each time at the step it was on, not the last periodic one
         assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in log
         assert f"continuing at step {stopped + 1}" in log
-    for job in ("trainer", "control"):
-        submitit_log = next((run_dir / "slurm" / job).glob("*_0_log.out")).read_text()
-        assert f"Requeued job {ids[job]}" in submitit_log
+    submitit_log = next((run_dir / "slurm" / "run").glob("*_0_log.out")).read_text()
+    assert submitit_log.count(f"Requeued job {job}") >= 1
+    assert "stopping after the trainer's checkpoint" in submitit_log  # the queue's node
     # The queue came back from its store and the orchestrator from the batches it holds.
     orchestrator = (run_dir / "logs" / "orchestrator.log").read_text()
     assert "resuming: the queue holds batches" in orchestrator
     # No step lost and none repeated across either requeue.
     assert train_steps(run_dir) == list(range(1, 61))
     assert RunDir(run_dir).complete.exists()
+
+
+def blocker(nodes: int) -> str:
+    """A job holding `nodes` of the cluster's nodes until it is cancelled."""
+    return slurm_cli.slurm(
+        "sbatch", "--parsable", f"--nodes={nodes}", "--mem=100M", "--time=30",
+        "--job-name=blocker", "--output=/dev/null", "--wrap=sleep 1800",
+    ).strip()  # fmt: skip
+
+
+def role_logs(run_dir: Path) -> list[str]:
+    logs = run_dir / "logs"
+    return sorted(p.name for p in logs.glob("*.log")) if logs.is_dir() else []
+
+
+@needs_slurm
+def test_one_allocation_starts_no_role_until_all_its_nodes_are_granted(tmp_path: Path) -> None:
+    """With 5 of the 6 nodes held by another job, the run's job (2 nodes) pends and none of
+    its roles starts, not even the queue's; once the nodes are free they all start and the run
+    completes. (Per role, the control and inference jobs would start and wait.)"""
+    held = blocker(5)
+    try:
+        wait_until(lambda: slurm_cli.job_states([held])[held].state == "RUNNING", 60, "the blocker")
+        run_dir = submitted_run(rl(tmp_path, *CLUSTER, "warmup.steps=10", "max_steps=4"))
+        (job,) = slurm_cli.read_jobs(RunDir(run_dir)).values()
+        time.sleep(10)
+        state = slurm_cli.job_states([job])[job]
+        assert state.state == "PENDING" and state.reason in ("Resources", "Priority"), state
+        assert role_logs(run_dir) == [] and not (run_dir / "metrics.jsonl").exists()
+    finally:
+        slurm_cli.slurm("scancel", held, check=False)
+    assert {s.state for s in final_states(run_dir).values()} == {"COMPLETED"}
+    assert train_steps(run_dir) == [1, 2, 3, 4]
+
+
+@needs_slurm
+def test_a_cancel_or_sigterm_checkpoints_the_step_under_way_and_a_resume_loses_none(
+    tmp_path: Path,
+) -> None:
+    """`rl action=cancel` asks the trainer to checkpoint the step it is on, waits for it, then
+    cancels; `scancel --signal=TERM` of the job does the same through the supervisors. Each
+    time a resume continues from that step, and the run ends with every step recorded once.
+    (Before, a cancel sent SIGTERM to every job at once: the trainer lost the queue, and its
+    steps since the last periodic checkpoint, while it checkpointed.)"""
+    steps = ("max_steps=200", "trainer.checkpoint_every=0")  # time enough to stop it twice
+    run_dir = submitted_run(rl(tmp_path, *CLUSTER, *steps))
+    wait_until(lambda: len(steps_so_far(run_dir)) >= 5, 300, "5 trainer steps")
+    cancelled = rl(tmp_path, "action=cancel", f"run_dir={run_dir}")
+    assert cancelled.returncode == 0, cancelled.stderr
+    step = int(re.search(r"the trainer checkpointed at step (\d+)", cancelled.stdout)[1])
+    final_states(run_dir, timeout=180)
+    assert step >= 5 and train_steps(run_dir)[-1] == step
+    assert step in step_versions(RunDir(run_dir).checkpoints)
+    assert "after a checkpoint at step" in json.loads(RunDir(run_dir).failure.read_text())["reason"]
+    resumed = rl(tmp_path, f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    (job,) = slurm_cli.read_jobs(RunDir(run_dir)).values()
+    log = run_dir / "logs" / "trainer-node0.log"
+    wait_until(lambda: f"continuing at step {step + 1}" in log.read_text(), 300, "the resume")
+    wait_until(lambda: len(steps_so_far(run_dir)) >= step + 5, 300, "5 more steps")
+    slurm_cli.slurm("scancel", "--signal=TERM", job)
+    final_states(run_dir, timeout=180)
+    stopped = int(log.read_text().split("checkpointed at step ")[-1].split()[0])
+    assert stopped > step and train_steps(run_dir)[-1] == stopped
+    resumed = rl(tmp_path, f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert {s.state for s in final_states(run_dir).values()} == {"COMPLETED"}
+    assert train_steps(run_dir) == list(range(1, 201))
+
+
+@needs_slurm
+def test_jobs_per_role_that_cannot_start_together_cancel_the_run_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Per role, with all nodes but one held: the job that starts waits for the others for
+    `timeouts.co_start_s`, then cancels the run, saying which did not start and why."""
+    held = blocker(5)
+    try:
+        wait_until(lambda: slurm_cli.job_states([held])[held].state == "RUNNING", 60, "the blocker")
+        run_dir = submitted_run(
+            rl(tmp_path, *CLUSTER, "max_steps=4", PER_ROLE, "timeouts.co_start_s=15")
+        )
+        states = final_states(run_dir, timeout=180)
+    finally:
+        slurm_cli.slurm("scancel", held, check=False)
+    assert {s.state.split()[0] for s in states.values()} == {"CANCELLED"}, states
+    reason = json.loads(RunDir(run_dir).failure.read_text())["reason"]
+    assert re.fullmatch(
+        r"jobs did not start together within 15 s \(timeouts\.co_start_s\): "
+        r"(\w+ \(PENDING, (Resources|Priority)\)(, )?)+",
+        reason,
+    ), reason
+    status = rl(tmp_path, "action=status", f"run_dir={run_dir}")
+    assert f"ended: {reason}" in status.stdout, status.stdout
+    assert role_logs(run_dir) == []  # the roles of the job that started never did either
 
 
 @needs_slurm
@@ -279,9 +385,9 @@ def test_a_seed_sweep_submits_its_base_once_and_groups_its_points(tmp_path: Path
     assert slurm_cli.job_states([base_job])[base_job].state == "COMPLETED"
     first, second = (json.dumps(read_records(r / "metrics.jsonl")) for r in runs)
     assert first != second  # two seeds, two runs from one start
-    # Each point's jobs carry its number; the sweep's status is its comparison table.
-    assert "reverse_text-tiny-0-control" in result.stdout
-    assert "reverse_text-tiny-1-control" in result.stdout
+    # Each point's job carries its number; the sweep's status is its comparison table.
+    assert "reverse_text-tiny-0 (partition" in result.stdout
+    assert "reverse_text-tiny-1 (partition" in result.stdout
     status = rl(tmp_path, "action=status", f"run_dir={sweep}")
     assert status.stdout.count("| finished | 4 |") == 2, status.stdout + status.stderr
     assert "| `defaults` | 2 |" in status.stdout, status.stdout
@@ -327,22 +433,21 @@ def test_single_node_sweep_as_array_jobs(tmp_path: Path) -> None:
         (["cluster.qos=premium"], "cluster.qos=premium: the cluster has no such QOS"),
         (
             ["cluster.partition=debug"],
-            "the run's jobs need 3 nodes at once (control 1, "
-            "inference 1, trainer 1) but partition debug has 1",
+            "the run's jobs need 2 nodes at once (run 2) but partition debug has 1",
         ),
         (
             ["cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80"],
-            # the inference job asks only for the GPU its one replica uses
-            "cluster.gpus_per_node=8: job inference asks for 1 GPUs per node; partition cpu's "
+            # the job asks only for the one GPU each of its nodes' roles uses
+            "cluster.gpus_per_node=8: job run asks for 1 GPUs per node; partition cpu's "
             "nodes have at most 0",
         ),
         (
             ["cluster.cpus_per_node=16"],
-            "cluster.cpus_per_node=16: job control asks for 8 CPUs per node; partition cpu's "
+            "cluster.cpus_per_node=16: job run asks for 16 CPUs per node; partition cpu's "
             "nodes have at most 2",
         ),
-        (  # the control job's capped ask is not the setting's value
-            ["cluster.mem_gb_per_node=100"],
+        (  # a per_role control job's capped ask is not the setting's value
+            ["cluster.mem_gb_per_node=100", "cluster.allocation=per_role"],
             "cluster.mem_gb_per_node=100: job control asks for 32 GB per node; partition "
             "cpu's nodes have at most 7000 MB",
         ),
@@ -369,9 +474,9 @@ def test_dry_run_shows_each_job_and_submits_nothing(tmp_path: Path) -> None:
     before = queued_jobs()
     result = rl(tmp_path, *CLUSTER, "dry_run=true")
     assert result.returncode == 0, result.stderr
-    for job in ("control", "inference", "trainer"):
-        assert f"sbatch {job}: --job-name=reverse_text-tiny-{job} --nodes=1" in result.stdout
-    assert "--cpus-per-task=2 --mem=6GB --time=60" in result.stdout
+    # One job of the inference node (with the queue and orchestrator) and the trainer's.
+    assert "sbatch run: --job-name=reverse_text-tiny --nodes=2 " in result.stdout
+    assert "--cpus-per-task=2 --mem=6GB --time=60" in result.stdout and "--requeue" in result.stdout
     assert not queued_jobs() - before  # nothing new submitted
     assert not (tmp_path / "outputs").exists()
 
@@ -400,31 +505,56 @@ def test_gpus_read_from_a_nodes_gres(gres: str, gpus: int) -> None:
 
 
 def test_sbatch_options_follow_the_plan() -> None:
-    from launcher.plan import plan, sbatch_flags
+    """What a site would write: one job of whole GPU nodes, --exclusive --mem=0 --requeue, no
+    wckey; a one-GPU run's nodes ask their GPU's share of CPUs and memory; per role, the
+    control job asks only the cpu_* options. The site's setup, environment, srun arguments,
+    container and network interface are printed as the jobs run them."""
+    from launcher.plan import format_plan, plan
+    from launcher.slurm_jobs import sbatch_flags
     from tests.support.runs import compose_run
 
-    cfg = compose_run(
-        "model=glm5",
-        "parallel=ep8",
-        "cluster=slurm",
-        "cluster.partition=gpu",
-        "cluster.account=proj",
-        "cluster.qos=high",
-        "cluster.exclusive=true",
-        "+cluster.sbatch_extra.reservation=rl",
-    )
+    site = ("cluster.partition=gpu", "cluster.account=proj", "cluster.qos=high",
+            "+cluster.sbatch_extra.reservation=rl")  # fmt: skip
+    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", *site)
     p = plan(cfg)
-    flags = {j.name: sbatch_flags(j, p.run_name, cfg) for j in p.jobs}
-    trainer = next(j for j in p.jobs if j.name == "trainer")
-    assert flags["trainer"] == (
-        f"--job-name={p.run_name}-trainer --nodes={trainer.nodes} --ntasks-per-node=1 "
-        f"--cpus-per-task=96 --mem=1024GB --time=1440 --partition=gpu --account=proj "
-        f"--qos=high --gpus-per-node=8 --exclusive "
-        f"--signal=USR2@{cfg.cluster.signal_delay_s} --reservation=rl"
+    ((job, flags),) = [(j, sbatch_flags(j, p.run_name, cfg)) for j in p.jobs]
+    assert flags == (
+        f"--job-name={p.run_name} --nodes={job.nodes} --ntasks-per-node=1 --cpus-per-task=96 "
+        f"--mem=0 --time=1440 --partition=gpu --account=proj --qos=high --gpus-per-node=8 "
+        f"--exclusive --signal=USR2@{cfg.cluster.signal_delay_s} --requeue --reservation=rl"
     )
     assert cfg.cluster.signal_delay_s > 120  # the plan's estimate of a step and a checkpoint
-    # The control job needs no GPU and no whole node.
-    assert "--gpus-per-node" not in flags["control"] and "--exclusive" not in flags["control"]
+    small = compose_run("model=qwen3_0_6b", "cluster=slurm")
+    (one_gpu,) = plan(small).jobs
+    assert sbatch_flags(one_gpu, "x", small).startswith(
+        "--job-name=x --nodes=2 --ntasks-per-node=1 --cpus-per-task=12 --mem=128GB"
+    )  # a GPU of 8: an eighth of 96 CPUs and 1024 GB, not all of them
+    assert "--exclusive" not in sbatch_flags(one_gpu, "x", small)
+    per_role = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", *site,
+                           "cluster.allocation=per_role", "cluster.cpu_partition=cpu")  # fmt: skip
+    roles = {j.name: sbatch_flags(j, "x", per_role) for j in plan(per_role).jobs}
+    assert roles["control"] == (
+        f"--job-name=x-control --nodes=1 --ntasks-per-node=1 --cpus-per-task=8 --mem=32GB "
+        f"--time=1440 --partition=cpu --account=proj --signal=USR2@"
+        f"{per_role.cluster.signal_delay_s} --requeue"
+    )
+    fabric = compose_run(
+        "model=glm5", "parallel=ep8", "cluster=slurm", "+cluster.env.NCCL_IB_HCA=mlx5_0",
+        "cluster.setup=[module load cuda/12.4]", 'cluster.srun_args=["--mpi=pmix"]',
+        "cluster.container_image=relay.sqsh", "cluster.container_mounts=[/lustre:/lustre]",
+        "cluster.network_interface=ib0",
+    )  # fmt: skip
+    printed = format_plan(plan(fabric), fabric).splitlines()
+    for line in (
+        "setup: module load cuda/12.4",
+        "setup: export NCCL_IB_HCA=mlx5_0",
+        "srun: --mpi=pmix --container-image=relay.sqsh --container-mounts=/lustre:/lustre",
+        "each node: VLLM_NIXL_SIDE_CHANNEL_HOST=<the node's address> NCCL_SOCKET_IFNAME=ib0 "
+        "GLOO_SOCKET_IFNAME=ib0",
+    ):
+        assert line in printed, line
+    summary = next(x for x in printed if x.startswith("note: summary: a step ~"))
+    assert "GPU-hours" in summary and "the trainer waits" in summary
 
 
 def test_resumed_steps_count_once() -> None:
@@ -529,7 +659,7 @@ def supervisor_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from launcher.plan import plan
     from tests.support.runs import compose_run
 
-    cfg = compose_run("cluster=slurm_cpu", "max_restarts=0")
+    cfg = compose_run("cluster=slurm_cpu", "max_restarts=0", PER_ROLE)
     RunDir(tmp_path).create(cfg, "token", plan(cfg).to_json())
     slurm_cli.write_jobs(RunDir(tmp_path), "cpu", {"control": "11", "trainer": "12"})
     monkeypatch.setenv("SLURM_JOB_ID", "11")

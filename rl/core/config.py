@@ -124,6 +124,15 @@ class ClusterKind(StrEnum):
     slurm = "slurm"
 
 
+class Allocation(StrEnum):
+    """How a Slurm run's roles are submitted."""
+
+    one = "one"
+    """One job: every role starts when all its nodes are granted, and requeues with the rest."""
+    per_role = "per_role"
+    """A control, an inference and a trainer job, which wait for each other to start."""
+
+
 class Placement(StrEnum):
     """How inference and trainer share a machine's devices."""
 
@@ -514,7 +523,40 @@ class ClusterConfig:
     time_min: int = bounded(1440, ge=1, note="minutes of wall time per job")
     """Slurm wall-time limit per job, in minutes."""
     sbatch_extra: dict[str, Any] = field(default_factory=dict)
-    """Further sbatch options passed through unchanged."""
+    """Further sbatch options passed through unchanged (not to a per_role control job)."""
+    allocation: Allocation = Allocation.one
+    """Slurm: `one` submits every role in one job whose nodes the supervisors split by role
+    (the inference replicas, the queue and orchestrator beside the first, then the trainer):
+    they start when all the nodes are granted, or not at all, and requeue together;
+    `per_role` submits a control, an inference and a trainer job, whose supervisors wait up
+    to `timeouts.co_start_s` for each other. A sweep sharing inference is always per_role."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Slurm: variables exported in every job before its step (`NCCL_IB_HCA`,
+    `UCX_NET_DEVICES`, ...)."""
+    setup: list[str] = field(default_factory=list)
+    """Slurm: shell lines each job runs before its step (`module load cuda/12.4`,
+    `ulimit -l unlimited`)."""
+    srun_args: list[str] = field(default_factory=list)
+    """Slurm: further arguments of each job's srun (`--mpi=pmix`, `--cpu-bind=none`)."""
+    container_image: str | None = None
+    """Slurm with pyxis: the container image every step runs in (srun's
+    `--container-image`)."""
+    container_mounts: list[str] = field(default_factory=list)
+    """Slurm with pyxis: `source:target` mounts of that container (srun's
+    `--container-mounts`); the run directory's filesystem must be among them."""
+    network_interface: str | None = None
+    """The network interface NCCL's and gloo's sockets use on every node
+    (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); None: their own choice."""
+    python: str | None = None
+    """Slurm: the Python interpreter the jobs run, as the compute nodes see it; None: the one
+    running `rl` (the project's environment), which a one-task step on a compute node must be
+    able to run before anything is submitted."""
+    wckey: str | None = None
+    """Slurm: the jobs' wckey (none unless set)."""
+    cpu_account: str | None = None
+    """Slurm: the account of a per_role control job (no GPUs); None: `account`."""
+    cpu_qos: str | None = None
+    """Slurm: the QOS of a per_role control job; None: none."""
     master_port: int | None = bounded(None, ge=1, le=MAX_PORT, text=f"must be 1 to {MAX_PORT}")
     """torch.distributed rendezvous port on the first trainer node; None: 29500 locally, and on
     Slurm a port derived from the trainer's job id, so runs sharing a node do not collide."""
@@ -522,7 +564,8 @@ class ClusterConfig:
     """Threads per role process on CPU-only nodes; None: every CPU of the node on Slurm (each
     role group has nodes of its own), half of them locally (trainer and inference share)."""
     exclusive: bool = False
-    """Slurm: ask for whole nodes (`--exclusive`) for the trainer and inference jobs."""
+    """Slurm: ask for whole nodes (`--exclusive`) for jobs that use part of a node's GPUs too
+    (jobs on whole GPU nodes always do)."""
     signal_delay_s: int | None = bounded(None, ge=0)
     """Slurm: seconds before the time limit at which a job is told to checkpoint and requeue;
     None: the plan's estimate of a step and a checkpoint, with a margin (launcher/balance.py)."""
@@ -540,8 +583,9 @@ class ClusterConfig:
     storage_gbs: float = bounded(20.0, gt=0)
     """Shared filesystem bandwidth, all nodes together, GB/s: checkpoints and published
     weights (the plan's estimates and the signal delay)."""
-    max_requeues: int = 3
-    """Slurm: how often a timed-out job is requeued (preemptions are always requeued)."""
+    max_requeues: int | None = bounded(None, ge=0)
+    """Slurm: how often a job that reached its time limit is requeued (preemptions always
+    are); None: no limit, as each requeue resumes from the checkpoint it wrote."""
 
 
 @dataclass
@@ -695,6 +739,9 @@ class TimeoutsConfig:
     interrupt_s: float = bounded(300.0, gt=0, text=SECONDS)
     """After Ctrl-C, the local launcher waits this long for the trainer to checkpoint the step
     under way before it stops every role (a second Ctrl-C stops them at once)."""
+    co_start_s: float = bounded(600.0, gt=0, text=SECONDS)
+    """Slurm with `cluster.allocation=per_role`: how long the run's jobs wait for each other
+    to start; past it the run is cancelled, naming the job that did not start and why."""
     hung_s: float = bounded(120.0, ge=1, note="seconds")
     """A role that shows no sign of life this long is hung: its process group is killed and the
     role restarted. Each role beats from a thread (a server only while its own /health
@@ -752,6 +799,9 @@ class RunConfig:
     run_dir: str | None = None
     """For action=status/cancel/export: the run directory; None: the newest run named
     `name`."""
+    force: bool = False
+    """For action=cancel: cancel at once, without first asking the trainer to checkpoint the
+    step under way."""
     step: int | None = bounded(None, ge=0)
     """For action=export: the step to export, a published version or a kept checkpoint (its
     float32 master weights written in the model's dtype); None: the newest published version."""

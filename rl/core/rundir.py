@@ -80,12 +80,26 @@ BASES = "bases"  # a sweep's shared bases, one per group of points that warm up 
 POINT_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
+SWEEP_POINT = re.compile(r"(\d+)-")
+RUN_TIME = re.compile(r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}")
+"""A single run's directory name (conf/config.yaml's hydra.run.dir): its start time."""
+
+
+def sweep_point(run: Path) -> int | None:
+    """Hydra's number of the sweep point whose directory `run` is (`N-<overrides>`), or None
+    for a single run (its directory is its start time, `2026-12-06_03-15-09`)."""
+    found = SWEEP_POINT.match(run.name)
+    if found is None or RUN_TIME.fullmatch(run.name):
+        return None
+    return int(found[1])
+
+
 def point_name(point: Path) -> str:
     """The name a sweep point's adapter is served under by the shared inference: `point-N`
     for Hydra's N-th point (its directory `N-<overrides>`), else the directory's name."""
-    head = point.name.split("-", 1)[0]
-    if head.isdigit():
-        return f"point-{head}"
+    number = sweep_point(point)
+    if number is not None:
+        return f"point-{number}"
     return POINT_NAME.sub("_", point.name)[:64]
 
 
@@ -275,10 +289,13 @@ class RunDir:
 
     def create(self, cfg: Any, token: str, plan_json: str | None = None) -> None:
         """Write a new run's config (resolved), plan and token; the token file must not exist
-        yet and is readable by its owner only."""
+        yet and is readable by its owner only, as is the run directory itself (on a cluster's
+        shared filesystem other users would otherwise read its logs, rollouts and weights)."""
         from omegaconf import OmegaConf
 
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o700)
+        self.logs.mkdir(exist_ok=True)
         self.internal.mkdir(exist_ok=True)
         from rl.core.auth import derive
 

@@ -1,6 +1,16 @@
 """The queue's store: scored groups in SQLite, each step's batch assembled exactly once.
 
-Scored groups are persisted (WAL, synchronous=FULL) before a push is acknowledged. Step N's
+Scored groups are persisted (WAL, synchronous=FULL) before a push is acknowledged.
+
+The store lives in the run directory, which on a cluster is a network filesystem (NFS,
+Lustre). WAL's default index is a shared-memory file beside the database (`-shm`), which
+SQLite's documentation says does not work over a network filesystem (https://sqlite.org/wal.html:
+"all processes using a database must be on the same host computer"). The queue is the store's
+only user, so it opens it with `locking_mode=EXCLUSIVE` before its first access: SQLite then
+keeps the WAL index in the process's own memory and never creates the `-shm` file ("Use of WAL
+Without Shared-Memory", same page), and holds the database's lock for as long as the queue
+runs. A queue killed outright leaves the database and its `-wal` file; the next one rebuilds
+the index from the WAL when it opens them (tests/test_queue.py kills one with SIGKILL). Step N's
 batch is assembled once, from the oldest fresh groups (stale ones are dropped and counted), and
 recorded, so a rank that asks for the same step again gets the same shard.
 
@@ -112,8 +122,18 @@ class Store:
 
     def __init__(self, path: Path, marks_path: Path | None = None) -> None:
         self.path, self.marks_path = path, marks_path
-        with writing(path):
-            self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            self._open(marks_path)
+        except BaseException:
+            self.db.close()  # a store refused holds no lock
+            raise
+
+    def _open(self, marks_path: Path | None) -> None:
+        with writing(self.path):
+            # Before the first access: SQLite then keeps WAL's index in this process's memory
+            # and never creates the shared-memory file (module docstring).
+            self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
             if self.db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
                 self._create()
             self.db.execute("PRAGMA journal_mode=WAL")
@@ -128,6 +148,10 @@ class Store:
         self._written: Marks | None = None
         if marks_path is not None:
             self._check_marks(marks_path)
+
+    def close(self) -> None:
+        """Close the database, and with it the lock this store holds on it."""
+        self.db.close()
 
     def _create(self) -> None:
         tables = self.db.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()

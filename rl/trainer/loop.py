@@ -219,10 +219,12 @@ class Trainer:
             train_only(self.model, adapter=True)
         self.log.info("warmup done in %.1f s", time.monotonic() - t0)
 
-    def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard:
+    def fetch(self, http: httpx.Client, queue: Peer, step: int) -> BatchShard | None:
         """This rank's shard of step `step`: long-polls until the queue has assembled it, for
-        at most `timeouts.batch_s`, then fails saying what it waited for. Each sample is checked
-        against the run (the queue checked it when it was pushed): a RecordError naming it."""
+        at most `timeouts.batch_s`, then fails saying what it waited for; None when a stop is
+        asked for meanwhile (no step is under way: the trainer checkpoints where it is). Each
+        sample is checked against the run (the queue checked it when it was pushed): a
+        RecordError naming it."""
         deadline = time.monotonic() + self.cfg.timeouts.batch_s
         params = {
             "step": step,
@@ -244,6 +246,9 @@ class Trainer:
                 return shard
             if response.status_code != 204:
                 response.raise_for_status()
+            if self.terminated or self.run_dir.checkpoint_request.exists():
+                self.log.info("asked to stop while waiting for batch %d", step)
+                return None
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"trainer rank {self.rank}: batch {step} not assembled by the queue within "
@@ -509,6 +514,23 @@ class Trainer:
             dist.broadcast(flag, src=0)
         return bool(flag.item())
 
+    def stop(self, step: int) -> None:
+        """Checkpoint after `step` steps, as asked, and say so (`checkpointed`: the supervisor,
+        a cancel or Ctrl-C wait for it); before the first step there is nothing to keep."""
+        if step:
+            self.checkpoint(step, self.cfg.trainer.stop_checkpoint_optimizer)
+        if self.rank == 0:
+            self.run_dir.checkpointed.write_text(str(step))
+        self.log.info("checkpointed at step %d and stopped, as asked", step)
+
+    def every_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (a collective where there are several)."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor([float(flag)])  # gloo's, beside NCCL on GPUs
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
     def run(self) -> None:
         cfg = self.cfg
         first = self.start()
@@ -519,14 +541,14 @@ class Trainer:
         queue = Peer(self.run_dir.root, "queue", cfg.timeouts.peer_s)
         for step in range(first, cfg.max_steps):
             if self.stop_requested():
-                if step:  # before the first step there is nothing a resume would keep
-                    self.checkpoint(step, cfg.trainer.stop_checkpoint_optimizer)
-                if self.rank == 0:
-                    self.run_dir.checkpointed.write_text(str(step))
-                self.log.info("checkpointed at step %d and stopped, as asked", step)
+                self.stop(step)
                 return
             t0 = time.monotonic()
             batch = self.fetch(http, queue, step)
+            if not self.every_rank(batch is not None):  # asked to stop while waiting for it
+                self.stop(step)
+                return
+            assert batch is not None
             t_fetch = time.monotonic() - t0
             train_start = time.time()
             stats = self.train_step(batch.samples, batch.micro_batches)

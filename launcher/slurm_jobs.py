@@ -1,0 +1,226 @@
+"""A Slurm run's jobs: what each asks of Slurm, and what its script does before its step.
+
+By default (`cluster.allocation=one`) a run is one job. Its nodes are split by role: first the
+inference replicas' nodes (the queue and the orchestrator run beside the first replica), then
+the trainer's. Every role starts once all the nodes are granted, or none does, and a requeue
+moves them together. `per_role` keeps a control job (queue and orchestrator, no GPUs), an
+inference job and a trainer job, whose supervisors wait for each other
+(`timeouts.co_start_s`); a sweep sharing one inference service is always laid out so.
+
+What each job asks:
+- `--requeue` always: a site's JobRequeue default may be off, and a preempted or timed-out run
+  resumes from its checkpoint;
+- a job on whole GPU nodes: `--exclusive --mem=0` (all of each node); one that uses part of a
+  node's GPUs: that share of the node's CPUs and memory, not all of them;
+- a per_role control job: `cluster.cpu_partition`, `cpu_account`, `cpu_qos` only;
+- no wckey unless `cluster.wckey` is set.
+
+Before its step each job runs the site's `cluster.setup` lines and exports `cluster.env`; its
+srun gets `cluster.srun_args` and, with pyxis, `--container-image`/`--container-mounts`. Each
+node's supervisor adds per node what only the node knows (launcher/supervisor.py: its address
+as vLLM's NIXL side channel host, the NCCL and gloo interface).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from launcher.sizing import Footprint, inference_nodes, pd_factor, per_node, replica_gpus
+from rl.core.config import Allocation
+
+CONTROL_CPUS = 8
+CONTROL_MEM_GB = 32
+"""A per_role control job's share of a node (queue and orchestrator)."""
+
+UNLIMITED_REQUEUES = 10**6
+"""submitit's bound on requeues after a time limit where `cluster.max_requeues` sets none."""
+
+
+@dataclass
+class Job:
+    """One Slurm job (the whole run, or in per_role the control, inference or trainer job)
+    with its resources."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int
+    mem_gb: int
+    """Memory per node in GB; 0: all of each node's (`--mem=0`)."""
+    time_min: int
+    partition: str | None
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    exclusive: bool = False
+
+
+def one_allocation(cfg: DictConfig) -> bool:
+    """Whether the run is one Slurm job (`cluster.allocation=one`, no shared inference)."""
+    return cfg.cluster.allocation == Allocation.one and not cfg.inference.shared
+
+
+def slurm_jobs(cfg: DictConfig, size: Footprint) -> list[Job]:
+    """The run's jobs with the plan's resources: one, or per role."""
+    gpus = cfg.cluster.gpus_per_node
+    serving = inference_nodes(cfg, size.replica_nodes)
+    instances = cfg.parallel.inference.replicas * pd_factor(cfg)
+    # GPUs per inference node: only those its instances use (the rest stay free for others)
+    if size.replica_nodes > 1:
+        used = gpus
+    else:
+        used = min(instances, per_node(cfg, size.replica_nodes)) * replica_gpus(cfg)
+    ranks = size.mesh["world"] // size.trainer_nodes if gpus else 0
+    if one_allocation(cfg):
+        return [node_job(cfg, "run", serving + size.trainer_nodes, max(used, ranks))]
+    return [
+        control_job(cfg),
+        node_job(cfg, "inference", serving, used),
+        node_job(cfg, "trainer", size.trainer_nodes, ranks),
+    ]
+
+
+def node_job(cfg: DictConfig, name: str, nodes: int, gpus: int) -> Job:
+    """A job of GPU (or CPU) nodes: whole nodes, exclusive and with all their memory, where it
+    uses every GPU of each; otherwise the share of a node's CPUs and memory its GPUs are."""
+    c = cfg.cluster
+    whole = not c.gpus_per_node or gpus >= c.gpus_per_node
+    share = 1.0 if whole else gpus / c.gpus_per_node
+    gpu_nodes = bool(c.gpus_per_node) and whole
+    return Job(
+        name=name,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        cpus_per_task=max(1, int(c.cpus_per_node * share)),
+        mem_gb=0 if gpu_nodes else max(1, int(c.mem_gb_per_node * share)),
+        time_min=c.time_min,
+        partition=c.partition,
+        account=c.account,
+        qos=c.qos,
+        constraint=c.constraint,
+        sbatch_extra=dict(c.sbatch_extra),
+        exclusive=gpu_nodes or bool(c.exclusive),
+    )
+
+
+def control_job(cfg: DictConfig) -> Job:
+    """A per_role run's control job: the queue and the orchestrator, no GPUs, with the
+    `cluster.cpu_*` options only (not the GPU jobs' constraint, QOS or extra options)."""
+    c = cfg.cluster
+    return Job(
+        name="control",
+        nodes=1,
+        gpus_per_node=0,
+        cpus_per_task=min(CONTROL_CPUS, c.cpus_per_node),
+        mem_gb=min(CONTROL_MEM_GB, c.mem_gb_per_node),
+        time_min=c.time_min,
+        partition=c.cpu_partition or c.partition,
+        account=c.cpu_account or c.account,
+        qos=c.cpu_qos,
+        constraint=None,
+    )
+
+
+def job_name(run_name: str, job: Job, point: int | None) -> str:
+    """A job's name: the run's, a sweep point's number, and the job's role in per_role."""
+    parts = [run_name, *([str(point)] if point is not None else [])]
+    if job.name != "run":
+        parts.append(job.name)
+    return "-".join(parts)
+
+
+def setup_lines(cfg: DictConfig) -> list[str]:
+    """What each job's script runs before its step: the site's lines, then its variables."""
+    c = cfg.cluster
+    exports = [f"export {key}={shlex.quote(str(value))}" for key, value in c.env.items()]
+    return [*c.setup, *exports]
+
+
+def srun_args(cfg: DictConfig) -> list[str]:
+    """The further arguments of each job's srun: the site's, and pyxis's container."""
+    c = cfg.cluster
+    args = list(c.srun_args)
+    if c.container_image:
+        args.append(f"--container-image={c.container_image}")
+    if c.container_mounts:
+        args.append(f"--container-mounts={','.join(c.container_mounts)}")
+    return args
+
+
+NODE_ADDRESS = "<the node's address>"
+
+
+def node_env(cfg: DictConfig, address: str = NODE_ADDRESS) -> dict[str, str]:
+    """What each node's supervisor sets for its roles, beyond the plan's own variables: vLLM's
+    NIXL side channel on the node's own address (its default, localhost, fails prefill and
+    decode across nodes), and NCCL's and gloo's interface where `cluster.network_interface`
+    names one."""
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": address}
+    if interface := cfg.cluster.network_interface:
+        env |= {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+    return env
+
+
+def node_env_line(cfg: DictConfig) -> str:
+    return " ".join(f"{key}={value}" for key, value in node_env(cfg).items())
+
+
+def sbatch_parameters(
+    job: Job, run_name: str, cfg: DictConfig, point: int | None = None
+) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for one job (one supervisor task per node)."""
+    params: dict[str, Any] = {
+        "job_name": job_name(run_name, job, point),
+        "nodes": job.nodes,
+        "ntasks_per_node": 1,
+        "cpus_per_task": job.cpus_per_task,
+        "mem": f"{job.mem_gb}GB" if job.mem_gb else "0",
+        "time": job.time_min,
+        "signal_delay_s": cfg.cluster.signal_delay_s,
+        "stderr_to_stdout": True,
+        "wckey": cfg.cluster.wckey,  # submitit writes its own unless given None
+    }
+    optional = {
+        "partition": job.partition,
+        "account": job.account,
+        "qos": job.qos,
+        "constraint": job.constraint,
+        "gpus_per_node": job.gpus_per_node or None,
+        "exclusive": True if job.exclusive else None,
+        "setup": setup_lines(cfg) or None,
+        "srun_args": srun_args(cfg) or None,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def additional_parameters(job: Job) -> dict[str, Any]:
+    """sbatch options submitit has no parameter for: `--requeue`, and the site's extra."""
+    return {"requeue": True, **job.sbatch_extra}
+
+
+def sbatch_flags(job: Job, run_name: str, cfg: DictConfig) -> str:
+    """The job's sbatch options as a dry run shows them."""
+    params = sbatch_parameters(job, run_name, cfg)
+    params["signal"] = f"USR2@{params.pop('signal_delay_s')}"
+    for key in ("stderr_to_stdout", "setup", "srun_args"):
+        params.pop(key, None)
+    if params.get("wckey") is None:
+        params.pop("wckey", None)
+    params.update(additional_parameters(job))
+    flags = []
+    for key, value in params.items():
+        flag = "--" + key.replace("_", "-")
+        flags.append(flag if value is True else f"{flag}={value}")
+    return " ".join(flags)
+
+
+def max_requeues(cfg: DictConfig) -> int:
+    """submitit's `max_num_timeout`: `cluster.max_requeues`, or no limit."""
+    limit = cfg.cluster.max_requeues
+    return UNLIMITED_REQUEUES if limit is None else int(limit)
