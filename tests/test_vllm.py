@@ -226,15 +226,15 @@ def test_weight_update_matches_embedded_engine(
     assert server.client.get("/admin/version").json() == {"policy_version": 1}
 
 
-IN_FLIGHT_COPIES = 32
+IN_FLIGHT_COPIES = 64
 
 
 def in_flight_during(server: SimpleNamespace, swap: Callable[[], Any]) -> dict[str, Any]:
     """Run `swap` while a long request is in vLLM; that request's answer, checked complete."""
     result: dict[str, Any] = {}
 
-    # Long enough to outlast the half second below and the swap's checks on an idle machine
-    # (with 8 copies of the prompts it once finished first in CI).
+    # Long enough to outlast the swap's checks (with 8 copies of the prompts it once finished
+    # first in CI; with 32, twice in a full suite's run on a loaded 2-core machine).
     def long_request() -> None:
         body = {"model": "tiny", "prompt": PROMPTS * IN_FLIGHT_COPIES, "n": 8,
                 "max_tokens": 100, "temperature": 1.0, "logprobs": 1}  # fmt: skip
@@ -242,7 +242,11 @@ def in_flight_during(server: SimpleNamespace, swap: Callable[[], Any]) -> dict[s
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(0.5)  # the request is in vLLM before the swap starts
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the swap starts once the request is in vLLM
+        if server.client.get("/health").json().get("requests_in_flight"):
+            break
+        time.sleep(0.02)
     swap()
     thread.join(timeout=300)
     response = result["response"]
