@@ -12,11 +12,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.checks import check_this_machine, check_weights, disk_warning
 from launcher.errors import ConfigError
+from launcher.hydra_dirs import remove_made
 from launcher.plan import format_plan, plan
 from launcher.report import override
 from launcher.sweep_base import shares_a_base, start_from_base
 from rl.core.config import Action, ClusterKind, RunConfig
-from rl.core.rundir import CONFIG, INTERNAL, TOKEN, RunDir, step_versions, write_atomic
+from rl.core.rundir import CONFIG, INTERNAL, TOKEN, RunDir, step_versions
 
 
 def launch(cfg: DictConfig) -> None:
@@ -26,7 +27,7 @@ def launch(cfg: DictConfig) -> None:
         try:
             resume(cfg, Path(cfg.resume))
         finally:
-            _remove_if_empty(run_dir)
+            remove_made(run_dir)
         return
     if cfg.action != Action.run:
         from launcher import slurm
@@ -40,7 +41,7 @@ def launch(cfg: DictConfig) -> None:
         try:  # the runs are found under the outputs folder, two levels above this one's
             actions[cfg.action](cfg.run_dir, run_dir.parent.parent)
         finally:
-            _remove_if_empty(run_dir)
+            remove_made(run_dir)
         return
     try:
         run_plan = plan(cfg)
@@ -58,12 +59,12 @@ def launch(cfg: DictConfig) -> None:
                 shared_sweep.print_service_plan(cfg)
             shared_sweep.add_point(cfg)
     except Exception:
-        _remove_if_empty(run_dir)
+        remove_made(run_dir)
         raise
     warn_of_disk(cfg, run_dir)
     if cfg.dry_run:
         print(format_plan(run_plan, cfg))
-        _remove_if_empty(run_dir)
+        remove_made(run_dir)
         return
     if cfg.inference.shared:
         return
@@ -73,7 +74,7 @@ def launch(cfg: DictConfig) -> None:
         try:
             submit(cfg, run_plan)
         finally:
-            _remove_if_empty(run_dir)
+            remove_made(run_dir)
         return
     from launcher.local import run_local
     from rl.core.model import ensure_checkpoint
@@ -108,6 +109,14 @@ def resume(cfg: DictConfig, target: Path) -> None:
             f"resume={target}: not a run directory (no {CONFIG} and {INTERNAL}/{TOKEN})"
         )
     changes = _resume_changes(cfg, target)
+    if edited := run.edited_config():
+        raise ConfigError(
+            f"resume={target}: its {CONFIG} was changed since the launcher wrote it "
+            f"({'; '.join(edited[:5])}); a resume continues with the config the run was started "
+            f"with: restore it, change what a resume may change on the command line "
+            f"({', '.join(RESUMABLE)}), or start a new run from its weights: "
+            f"model.path={target}/weights/step_N"
+        )
     config = run.load_config()
     # What a resume keeps is what was checkpointed: later steps are trained again.
     kept = max(step_versions(run.checkpoints), default=0)
@@ -134,7 +143,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     _check_ended(cfg_now, run)
     warn_of_disk(cfg_now, run.root, max(step_versions(run.checkpoints), default=0))
     if changed:
-        write_atomic(run.config, OmegaConf.to_yaml(config))
+        run.write_config(OmegaConf.to_yaml(config))
         run.plan.write_text(run_plan.to_json())
         run.add_overrides([f"{key}={value}" for key, value in changes.items()])
     for marker in (run.summary, run.complete):  # an extended run is open again
@@ -203,15 +212,6 @@ def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
 def _say_where_it_resumes(run: RunDir, steps: int, changed: list[str]) -> None:
     note = f"; {', '.join(changed)}" if changed else ""
     print(f"resuming {run.root} at {run.resume_point()} (of {steps}){note}", flush=True)
-
-
-def _remove_if_empty(run_dir: Path) -> None:
-    """A dry run leaves nothing behind: drop the run directory Hydra made, and empty parents."""
-    for path in (run_dir, run_dir.parent, run_dir.parent.parent):
-        try:
-            path.rmdir()
-        except OSError:
-            return
 
 
 def export(run_dir: str | None, outputs: Path, step: int | None = None) -> None:

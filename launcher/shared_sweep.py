@@ -51,7 +51,7 @@ from launcher.sweep_summary import write_sweep_summary
 from launcher.tracking import Follow
 from rl.core.config import ClusterKind, RunConfig
 from rl.core.model import ensure_checkpoint
-from rl.core.rundir import BASE, SERVICE, RunDir, point_name, shared_service
+from rl.core.rundir import BASE, SERVICE, RunDir, flat, point_name, shared_service
 
 # What points sharing one service may set apart: how each trains, never what is served.
 VARIES = (
@@ -89,15 +89,6 @@ def _varies(key: str) -> bool:
     return any(key == v or (v.endswith(".") and key.startswith(v)) for v in VARIES)
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix.rstrip("."): tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
-
-
 def typed(tree: dict[str, Any]) -> DictConfig:
     """A resolved config as the schema types it (what roles load from config.yaml)."""
     return OmegaConf.merge(OmegaConf.structured(RunConfig), tree)
@@ -113,7 +104,7 @@ def check_point(cfg: DictConfig, mode_multirun: bool) -> dict[str, Any]:
         )
     tree = OmegaConf.to_container(cfg, resolve=True)
     if PENDING:
-        first, mine = _flat(PENDING[0].cfg), _flat(tree)
+        first, mine = flat(PENDING[0].cfg), flat(tree)
         for key in sorted(first.keys() | mine.keys()):
             if not _varies(key) and first.get(key) != mine.get(key):
                 raise ConfigError(

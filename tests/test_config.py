@@ -273,3 +273,18 @@ def test_tab_completion_as_the_readme_sets_it_up() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["environment=wordle"]
+
+
+def test_a_dry_or_refused_run_removes_only_the_directories_it_made(tmp_path: Path) -> None:
+    """A dry run, and a run the plan refuses, leave nothing behind, but only what they made
+    goes: the user's own directories stay, empty or not (they used to go with the run's, up
+    to two levels above it)."""
+    mine, empty = tmp_path / "mine", tmp_path / "empty"
+    mine.mkdir()
+    empty.mkdir()
+    dry = rl("dry_run=true", f"hydra.run.dir={mine}/a/b")
+    refused = rl("parallel.trainer.tp=2", f"hydra.run.dir={mine}/c")
+    assert dry.returncode == 0 and refused.returncode == 2, (dry.stderr, refused.stderr)
+    assert mine.is_dir() and list(mine.iterdir()) == []
+    assert rl("dry_run=true", f"hydra.run.dir={empty}").returncode == 0
+    assert empty.is_dir()

@@ -185,6 +185,16 @@ def test_interrupted_run_resumes_with_continuous_history_and_extends(
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert (run_dir / "config.yaml").read_text() == config
+    # Nor does config.yaml edited by hand: refused, naming the key.
+    head, algorithm = config.split("\nalgorithm:\n", 1)
+    edited = head + "\nalgorithm:\n" + algorithm.replace("  lr: 0.0003", "  lr: 0.5", 1)
+    (run_dir / "config.yaml").write_text(edited)
+    refused = resume(run_dir, cache)
+    assert refused.returncode == 2, refused.stderr
+    assert "config.yaml was changed since the launcher wrote it (algorithm.lr: 0.0003 -> 0.5" in (
+        refused.stderr
+    )
+    (run_dir / "config.yaml").write_text(config)
     t0 = time.monotonic()
     out = resume(run_dir, cache, timeout=900)
     resumed_s = time.monotonic() - t0

@@ -174,7 +174,14 @@ RL_LAYERS = (
 )
 # launcher/: each module is a package of its own.
 LAUNCHER_LAYERS = (
-    ("launcher", "launcher.errors", "launcher.gpus", "launcher.report", "launcher.memory"),
+    (
+        "launcher",
+        "launcher.errors",
+        "launcher.gpus",
+        "launcher.report",
+        "launcher.memory",
+        "launcher.hydra_dirs",
+    ),
     ("launcher.balance",),
     ("launcher.tracking", "launcher.sizing", "launcher.help"),
     ("launcher.estimates", "launcher.vllm_args", "launcher.slurm_jobs"),

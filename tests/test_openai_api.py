@@ -277,6 +277,8 @@ def test_history_with_tool_calls_and_results_renders() -> None:
         ([{"role": "wizard", "content": "x"}], "messages[0]"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0]"),
         ([{"role": "user"}], "messages[0]"),
+        ([{"role": "user", "content": "x", "name": {"a": 1}}], "messages[0]"),
+        ([{"role": "tool", "content": "x", "tool_call_id": ["1"]}], "messages[0]"),
     ],
 )
 def test_unreadable_messages_are_refused(messages: list, param: str) -> None:

@@ -21,6 +21,8 @@ reads; what the processes keep for each other lives in `.relay/`:
     .relay/                the internals:
         token              the run's secret, its keys derived from it (mode 0600; rl/core/auth.py)
         overrides.json     the command-line overrides it was started (and resumed) with
+        config.yaml        the config as the launcher last wrote it: a resume refuses a
+                           config.yaml that differs from it (edited by hand)
         pids.json          local launcher: each role's process group id
         wall_s             seconds the launcher has run the run, over all its launches
         metrics.followed   how far the launcher has shown and logged metrics.jsonl
@@ -236,6 +238,16 @@ def drop_records(path: Path, drop: Callable[[dict[str, Any]], bool]) -> int:
     return len(lines) - len(kept)
 
 
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys and their values."""
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}."))
+    return out
+
+
 def step_versions(folder: Path) -> list[int]:
     """The N of every complete `step_N` in `folder`, ascending."""
     found = []
@@ -300,7 +312,7 @@ class RunDir:
         from rl.core.auth import derive
 
         with writing(self.root):
-            self.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            self.write_config(OmegaConf.to_yaml(cfg, resolve=True))
             if plan_json is not None:
                 self.plan.write_text(plan_json)
             fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -326,6 +338,31 @@ class RunDir:
 
     def add_overrides(self, overrides: list[str]) -> None:
         write_atomic(self.overrides_file, json.dumps(self.overrides() + overrides))
+
+    @property
+    def config_written(self) -> Path:
+        return self.internal / CONFIG
+
+    def write_config(self, text: str) -> None:
+        """The run's config.yaml, and the launcher's own copy of it (`edited_config` compares
+        them)."""
+        write_atomic(self.config_written, text)
+        write_atomic(self.config, text)
+
+    def edited_config(self) -> list[str]:
+        """The settings whose values in config.yaml are not those the launcher wrote, as
+        `key: written -> found` (none for a run written before the launcher kept its copy)."""
+        import yaml
+
+        if not self.config_written.exists():
+            return []
+        written = flat(yaml.safe_load(self.config_written.read_text()) or {})
+        found = flat(yaml.safe_load(self.config.read_text()) or {})
+        return [
+            f"{key}: {written.get(key, '(none)')} -> {found.get(key, '(none)')}"
+            for key in sorted(set(written) | set(found))
+            if written.get(key) != found.get(key)
+        ]
 
     def load_config(self) -> Any:
         """The config as written (not re-validated: rl.core.runtime.load_run_config does that)."""

@@ -621,10 +621,11 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = {"role": "system" if role == "developer" else role, "content": content or ""}
         if message.get("tool_calls"):
             out["tool_calls"] = message["tool_calls"]
-        if "tool_call_id" in message:
-            out["tool_call_id"] = message["tool_call_id"]
-        if "name" in message:
-            out["name"] = message["name"]
+        for key in ("tool_call_id", "name"):  # rendered into the prompt: text only
+            if key in message:
+                if not isinstance(message[key], str):
+                    raise APIError(400, f"{where}.{key}: must be a string", where)
+                out[key] = message[key]
         messages.append(out)
     return messages
 
