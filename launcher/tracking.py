@@ -116,19 +116,28 @@ class Tracker:
         Slurm's SIGTERM already ended would leave a traceback in the job's log)."""
         if self.wandb_run is None:
             return
-        import wandb
-
         try:
             self.wandb_run.finish(exit_code=exit_code)
         except Exception as err:  # noqa: BLE001 - as in `log`
             self.give_up(err)
         self.wandb_run = None
-        with contextlib.suppress(Exception):
-            wandb.teardown(exit_code)
+        teardown(exit_code)
 
     def give_up(self, err: Exception) -> None:
+        """Stop tracking, and close the connection to wandb's service now: left to wandb's
+        exit hook, a service that is gone prints a traceback as the process ends."""
         print(f"warning: wandb stopped logging ({err!r}); metrics.jsonl has every record")
         self.wandb_run, self.mode = None, f"{self.mode} (stopped: {type(err).__name__})"
+        teardown(1)
+
+
+def teardown(exit_code: int) -> None:
+    """Close wandb's service connection (which also drops its exit hook), whatever state the
+    service is in."""
+    import wandb
+
+    with contextlib.suppress(Exception):
+        wandb.teardown(exit_code)
 
 
 def duration(seconds: float) -> str:
