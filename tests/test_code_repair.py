@@ -19,6 +19,7 @@ from rl.core.model import build_char_tokenizer
 from rl.core.records import Completion, Episode
 from rl.envs import Environment, Example, RewardOutOfRange, make_environment
 from rl.envs.code_repair import CodeRepair
+from rl.envs.code_repair.environment import _report
 from rl.envs.code_repair.tasks import Task, make_task
 from rl.envs.code_repair.tools import ToolCall
 from rl.orchestrator.advantages import group_mean
@@ -53,10 +54,14 @@ def call(name: str, **arguments: Any) -> str:
 
 def test_tasks_are_reproducible_many_and_held_out() -> None:
     assert make_task(0, "train", 5) == make_task(0, "train", 5)
+    assert make_task.__wrapped__(0, "eval", 3) == make_task(0, "eval", 3)  # drawn again, uncached
     train = {json.dumps(make_task(0, "train", i).files) for i in range(2000)}
     held_out = {json.dumps(make_task(0, "eval", i).files) for i in range(200)}
     assert len(train) == 2000 and not train & held_out
     assert make_task(1, "train", 5) != make_task(0, "train", 5)
+    for task in (make_task(0, "eval", i) for i in range(200)):  # scored on cases never shown
+        shown = {call for _, call, _ in task.cases}
+        assert task.held_out_failing > 0 and not shown & {call for call, _ in task.held_out}
 
 
 def test_the_fix_repairs_every_failing_test_and_the_bug_is_real(env: CodeRepair) -> None:
@@ -98,6 +103,14 @@ def test_model_code_runs_in_the_sandbox(env: CodeRepair) -> None:
     assert "Read-only file system" in report and not escape.exists()
     files = {**task.files, init: "while True:\n    pass\n"}
     assert execute(env, task, "run_tests", {}, files)[0].startswith("error: the tests were stopped")
+    # Six processes left running by each of the six cases: more than a run may hold (32) by
+    # the last case, unless each case's end ends them.
+    left_running = (
+        "import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        time.sleep(60)\n"
+    )
+    files = {**task.files, init: task.files[init] + left_running}
+    left_behind = execute(env, task, "run_tests", {}, files)
+    assert left_behind == execute(env, task, "run_tests", {}, task.files)
 
 
 def test_reward_counts_fixed_tests_not_edited_tests(env: CodeRepair) -> None:
@@ -145,6 +158,112 @@ def test_the_package_cannot_forge_test_results(env: CodeRepair) -> None:
 
 def _function_names(task: Task) -> list[str]:
     return sorted({call.split("(")[0] for _, call, _ in task.cases})
+
+
+def test_a_package_that_writes_the_report_and_exits_scores_0(env: CodeRepair) -> None:
+    """The forgery found in live runs: the package writes, at import, a report claiming every
+    test passed (in the runner's former format, with the expected values its tests show) on the
+    report channel, directly or through /proc, then exits before the runner can. The report is
+    written by a parent that never runs the package's code now; the fix still scores 1."""
+    example = env.eval_examples()[2]
+    task = env.task("eval", 2)
+    claim = json.dumps({test: ["returned", repr(want)] for test, _, want in task.cases})
+    channels = ["3", "os.open('/proc/1/fd/3', os.O_WRONLY)"]  # the runner is the run's PID 1
+    for channel in channels:
+        forgery = (
+            f"import os\ntry:\n    os.write({channel}, {claim!r}.encode())\n"
+            "except OSError:\n    pass\nos._exit(0)"
+        )
+        edit = init_edit(task, forgery)
+        assert env.reward(example, [edit]) == 0.0, channel
+        assert not env.exact_match(example, [edit])
+    path, bad, good = task.fix
+    fix = call("edit_file", path=path, old=bad, new=good)
+    assert env.reward(example, [fix]) == 1.0 and env.exact_match(example, [fix])
+
+
+REACH = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+def _refused(attempt):
+    try:
+        attempt()
+        return 'reached'
+    except OSError as err:
+        return errno.errorcode[err.errno]
+def _ptrace_attach():
+    if libc.ptrace(16, 1, 0, 0) != 0:  # PTRACE_ATTACH to the run's PID 1
+        raise OSError(ctypes.get_errno(), 'ptrace')
+def _pidfd_getfd():
+    if libc.syscall(438, os.pidfd_open(1), 3, 0) < 0:  # PID 1's fd 3, by pidfd_getfd
+        raise OSError(ctypes.get_errno(), 'pidfd_getfd')
+def _reach(*args):
+    return (
+        _refused(lambda: os.fstat(3)),
+        _refused(lambda: os.open('/proc/1/fd/3', os.O_WRONLY)),
+        _refused(lambda: open('/proc/1/mem', 'rb')),
+        _refused(_ptrace_attach),
+        _refused(_pidfd_getfd),
+    )
+"""
+
+
+def test_only_a_whole_report_counts() -> None:
+    """One ended line per case, in order, or no report at all: empty, cut short, out of order,
+    or with anything else on the channel, every case counts as crashed (so the score is 0)."""
+    lines = ['[0, "returned", "3"]\n', '[1, "raised", "ValueError: x"]\n']
+    assert _report("".join(lines), 2) == [("returned", "3"), ("raised", "ValueError: x")]
+    rejected = [
+        "",
+        lines[0],
+        "".join(lines)[:-1],
+        "".join(reversed(lines)),
+        "".join(lines) + lines[1],
+        "".join(lines) + "forged\n",
+        '{"test_a": ["returned", "3"]}',
+        lines[0] + '[1, "passed", "3"]\n',
+        lines[0] + '[1, "returned", 3]\n',
+    ]
+    for channel in rejected:
+        assert _report(channel, 2) is None, channel
+
+
+def test_no_case_reaches_the_report_channel(env: CodeRepair) -> None:
+    """The package's code, run for a case, finds no report channel of its own (fd 3), cannot
+    open the runner's through /proc, read its memory, trace it or take its descriptor."""
+    task = env.task("eval", 2)
+    init = next(p for p in task.files if p.endswith("__init__.py"))
+    probes = "".join(f"{name} = _reach\n" for name in _function_names(task))
+    files = {**task.files, init: task.files[init] + REACH + probes}
+    outcome = env.run_tests(task, files)
+    assert isinstance(outcome, list) and len(outcome) == task.tests, outcome
+    refused = ("EBADF", "EACCES", "EACCES", "EPERM", "EPERM")
+    for (_, ok, message), (_, called, _) in zip(outcome, task.cases, strict=True):
+        assert not ok and message.startswith(f"{called} returned {refused!r}, expected"), message
+
+
+def test_the_reward_is_scored_on_held_out_cases(env: CodeRepair) -> None:
+    """A package that answers exactly what its visible tests ask (a table of their expected
+    values for the buggy function) passes them all and scores 0: the held-out cases ask that
+    function what the tests never show. The package as given fails the held-out cases its bug
+    shows in; the real fix passes them all."""
+    example = env.eval_examples()[2]
+    task = env.task("eval", 2)
+    path, bad, good = task.fix
+    name = good.split("(")[0].removeprefix("def ")
+    table = {c[len(name) + 1 : -1]: want for _, c, want in task.cases if c.startswith(f"{name}(")}
+    lookup = f"def {name}(*args):\n    return {table!r}[', '.join(map(repr, args))]"
+    edit = init_edit(task, lookup)
+    report, _ = execute(env, task, "run_tests", {}, env.files(example, [edit]))
+    assert report == f"{task.tests} passed, 0 failed"
+    assert env.reward(example, [edit]) == 0.0 and not env.exact_match(example, [edit])
+    asked = [c for c, _ in task.held_out if c.startswith(f"{name}(")]
+    assert asked and not set(asked) & {c for _, c, _ in task.cases}
+    assert env.passed(example, [edit]) == len(task.held_out) - len(asked)  # each a KeyError
+    assert 0 < task.held_out_failing <= len(asked)
+    assert env.passed(example, []) == len(task.held_out) - task.held_out_failing
+    fix = call("edit_file", path=path, old=bad, new=good)
+    assert env.passed(example, [fix]) == len(task.held_out)
 
 
 def test_a_reward_outside_the_declared_range_is_an_error(env: CodeRepair) -> None:

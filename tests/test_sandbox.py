@@ -6,9 +6,11 @@ the same test, to show that nothing was harmed and nothing of the attack is left
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -235,3 +237,127 @@ def test_the_run_cannot_make_or_join_a_user_namespace(workdir: Path) -> None:
         result = sandbox.run(["unshare", "--user", "true"], workdir, LIMITS)
         assert result.returncode != 0 and "Operation not permitted" in result.stderr, result
     assert_unharmed(workdir)
+
+
+SYSCALL = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "def said(ret):\n    return os.strerror(ctypes.get_errno()) if ret < 0 else 'done'\n"
+)
+
+
+KEY_CALLS = {"x86_64": (250, 248, 249), "aarch64": (219, 217, 218)}
+"""keyctl, add_key and request_key by machine: the kernel's numbers, written here apart from
+syscalls.py's so that a wrong number there fails here."""
+IO_URING_CALLS = (425, 426, 427)  # io_uring_setup, _enter and _register, on both machines
+
+
+def key_calls() -> str:
+    """Names for the keyring calls and constants, in code run inside the sandbox and beside."""
+    keyctl, add_key, request_key = KEY_CALLS[os.uname().machine]
+    return (
+        "JOIN, SEARCH, READ, SESSION = 1, 10, 11, -3\n"  # KEYCTL_*, KEY_SPEC_SESSION_KEYRING
+        f"keyctl, add_key, request_key = {keyctl}, {add_key}, {request_key}\n"
+    )
+
+
+def test_the_run_cannot_use_the_callers_keyrings(workdir: Path) -> None:
+    """Keyrings are not namespaced, and the run inherits its caller's session keyring: it must
+    neither find the caller's key nor plant one the caller sees (keyctl, add_key and
+    request_key: ENOSYS). The caller is a process of its own, with a session keyring of its
+    own, so that no key outlives the test."""
+    preamble = SYSCALL + key_calls()
+    probe = preamble + (
+        "found = libc.syscall(keyctl, SEARCH, SESSION, b'user', b'relay-key', 0)\n"
+        "print(said(found))\n"
+        "if found >= 0:\n"
+        "    secret = ctypes.create_string_buffer(64)\n"
+        "    libc.syscall(keyctl, READ, found, secret, 64)\n"
+        "    print(secret.value)\n"
+        "print(said(libc.syscall(add_key, b'user', b'relay-planted', b'x', 1, SESSION)))\n"
+        "print(said(libc.syscall(request_key, b'user', b'relay-key', None, 0)))\n"
+    )
+    (workdir / "main.py").write_text(probe)
+    caller = preamble + (
+        "import json\nfrom pathlib import Path\nfrom rl.envs.code_repair import sandbox\n"
+        "libc.syscall(keyctl, JOIN, None)\n"  # a new session keyring, this process's alone
+        "key = libc.syscall(add_key, b'user', b'relay-key', b'secret', 6, SESSION)\n"
+        f"result = sandbox.run([{PY!r}, '-I', 'main.py'], Path(sys.argv[1]))\n"
+        "seen = libc.syscall(keyctl, SEARCH, SESSION, b'user', b'relay-planted', 0)\n"
+        "print(json.dumps([said(key), result.stdout, said(seen)]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", caller, str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    added, inside, seen = json.loads(done.stdout)
+    if added != "done":
+        pytest.skip(f"this kernel keeps no keys for the test to hide: {added}")
+    refused = ["Function not implemented"] * 3  # search, add_key, request_key: ENOSYS
+    assert (inside.splitlines(), seen) == (refused, "Required key not available")  # not planted
+
+
+def test_the_run_cannot_use_io_uring(workdir: Path) -> None:
+    """io_uring_setup, io_uring_enter and io_uring_register: ENOSYS, as on a kernel without
+    io_uring (without the filter, setup makes a ring, and the others refuse fd -1 otherwise)."""
+    setup, enter, register = IO_URING_CALLS
+    code = SYSCALL + (
+        "params = ctypes.create_string_buffer(120)\n"  # struct io_uring_params, zeroed
+        f"print(said(libc.syscall({setup}, 8, params)))\n"
+        f"print(said(libc.syscall({enter}, -1, 1, 0, 0, None, 0)))\n"
+        f"print(said(libc.syscall({register}, -1, 0, None, 0)))\n"
+    )
+    result = run_python(workdir, code)
+    assert result.stdout.splitlines() == ["Function not implemented"] * 3, result
+    assert_unharmed(workdir)
+
+
+CAPABILITIES = (
+    "for line in open('/proc/self/status'):\n"
+    "    if line.startswith(('CapPrm', 'CapEff')):\n"
+    "        print(line.split()[1])\n"
+)
+UNPRIVILEGED_CALLER = (
+    "import sys, tempfile\nfrom pathlib import Path\nfrom rl.envs.code_repair import sandbox\n"
+    "with tempfile.TemporaryDirectory() as tmp:\n"
+    "    Path(tmp, 'main.py').write_text(sys.argv[1])\n"
+    f"    result = sandbox.run([{PY!r}, '-I', 'main.py'], Path(tmp))\n"
+    "print(result.stdout + result.stderr, end='')\n"
+)
+NOBODY = 65534
+
+
+def test_the_run_holds_no_capabilities(workdir: Path) -> None:
+    """Neither as the run's own uid (under root) nor as uid 0 of its own user namespace, where
+    a caller without root runs it (tried as nobody when the test runs as root): with no
+    CAP_SYS_PTRACE, a process of the run cannot trace or read a non-dumpable one."""
+    none = ["0000000000000000"] * 2
+    assert run_python(workdir, CAPABILITIES).stdout.split() == none
+    if os.getuid() != 0:
+        return  # the run above was the unprivileged kind already
+    if not _readable_by_all(ROOT):
+        pytest.skip(f"{ROOT} is not readable by an unprivileged user")
+    done = subprocess.run(
+        [PY, "-I", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{UNPRIVILEGED_CALLER}"]
+        + [CAPABILITIES],
+        cwd="/",
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    if "sandbox: unshare" in done.stdout:
+        pytest.skip(f"no unprivileged user namespaces here: {done.stdout}")
+    assert done.stdout.split() == none, done.stdout
+
+
+def _readable_by_all(path: Path) -> bool:
+    """Whether any user may read `path` and pass through each directory above it."""
+    above = all(os.stat(p).st_mode & 0o001 for p in path.parents)
+    return above and os.stat(path).st_mode & 0o005 == 0o005

@@ -1,6 +1,6 @@
 """code_repair: an agentic environment (`environment.py`) with the tools it offers the model
-(`tools.py`), the packages it asks the model to fix (`tasks.py`) and the sandbox their tests run
-in (`sandbox.py`).
+(`tools.py`), the packages it asks the model to fix (`tasks.py`), the sandbox their tests run
+in (`sandbox.py`) and the runner that calls them there (`runner.py`, copied into each run).
 
 `CodeRepair` is imported on first use rather than here: the sandbox's bootstrap runs as
 `python -m rl.envs.code_repair.sandbox`, which imports this package first, and should start

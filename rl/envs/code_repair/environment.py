@@ -8,20 +8,24 @@ or `max_episode_tokens` tokens, enforced by the orchestrator). Packages come fro
 
 An episode's files are the task's files plus the edits of its turns, replayed in order, so the
 environment keeps no state per episode. Model-written code only ever runs in `sandbox.py`,
-`sandboxes` at a time. The reward comes from the task's own tests, run after the episode on the
-edited package (edits to the tests do not count): the fraction of the tests that failed at the
+`sandboxes` at a time. `run_tests` reports on the task's visible tests (`tests/` in its files);
+the reward comes from its held-out cases instead (`tasks.py`: more calls of the same functions,
+none of them a call the tests show, never shown to the model), run after the episode on the
+edited package (edits to the tests do not count): the fraction of the cases that failed at the
 start and pass now, less any that passed at the start and fail now (so 1 when all pass, 0 for
 no change); with `call_bonus`, an episode that fixed nothing earns up to that much for making
 well-formed tool calls.
 
-Test results cannot be forged by the code under test. The sandbox runs only the package and a
-runner that calls each test's function and reports what it returned (or raised), as a repr, on
-a channel of its own (file descriptor 3, opened before the package is imported; stdout, which
-the package shares, carries nothing that counts). The verdicts are made here, outside the
+Results cannot be forged by the code under test. Each run executes `runner.py` in the sandbox:
+a parent that never imports the package forks a child per case, which does, and only the
+parent, which no child can reach (see there), writes the report on file descriptor 3: one line
+per case of what its call returned (a repr) or raised. The verdicts are made here, outside the
 sandbox, against the expected values the task generator computed; the sandbox never holds
-them. A report that is not exactly one well-formed answer per test counts as a crash. So the
-most a package can claim is "my function returned X", which it could as well have done by
-returning X: the reward stays what the tests measure, within 0..1 (`reward_range`).
+them. A report that is not exactly one well-formed line per case, in order, counts as a crash
+for every case: empty, cut short, or with anything else on the channel. So the most a package
+can claim is "my function returned X" for a case, which it could as well have done by
+returning X, and X must come from a working function, as the held-out cases are never shown:
+the reward stays what the cases measure, within 0..1 (`reward_range`).
 """
 
 from __future__ import annotations
@@ -44,28 +48,8 @@ from rl.envs.code_repair.tools import Tool, ToolCall, parse_tool_calls
 
 log = logging.getLogger(__name__)
 SYSTEM = "You are a careful Python programmer. You fix bugs with the tools you are given."
-REPORT_CHARS = 2000  # of one returned value's repr or error: enough for any expected value
-RUNNER = f'''"""Calls each test's function on the package; reports on fd 3 what each returned."""
-import json, os, sys
-report = os.fdopen(3, "w")
-sys.path.insert(0, ".")
-package, cases = json.loads(open("relay_cases.json").read())
-names, observed = {{}}, {{}}
-try:
-    exec(f"from {{package}} import *", names)
-    failed = None
-except BaseException as err:
-    failed = f"import failed: {{type(err).__name__}}: {{err}}"
-for test, call in cases:
-    try:
-        if failed:
-            raise ImportError(failed)
-        observed[test] = ["returned", repr(eval(call, names))[:{REPORT_CHARS}]]
-    except BaseException as err:
-        observed[test] = ["raised", f"{{type(err).__name__}}: {{err}}"[:{REPORT_CHARS}]]
-report.write(json.dumps(observed))
-report.close()
-'''
+RUNNER = "relay_run_tests.py"  # runner.py, as the run's directory holds it
+RUNNER_SOURCE = (Path(__file__).parent / "runner.py").read_text()
 TOOLS = [
     Tool("list_files", "List the files of the package and its tests.", {}),
     Tool("read_file", "Read one file.", {"path": {"type": "string", "description": "As listed."}}),
@@ -205,49 +189,65 @@ class CodeRepair(Environment):
         return files
 
     def run_tests(self, task: Task, files: dict[str, str]) -> list[list[Any]] | str:
-        """[[test, passed, message], ...] of `task`'s tests on the package in `files` (its
-        test files are not used: the task's own tests are), or what went wrong."""
-        cases = [[test, call] for test, call, _ in task.cases]
+        """[[test, passed, message], ...] of `task`'s visible tests on the package in `files`
+        (its test files are not used: the task's own tests are), or what went wrong."""
+        outcome = self.run_cases(task.package, [call for _, call, _ in task.cases], files)
+        if isinstance(outcome, str):
+            return outcome
+        return [
+            [test, *_verdict(call, want, *said)]
+            for (test, call, want), said in zip(task.cases, outcome, strict=True)
+        ]
+
+    def run_cases(
+        self, package: str, calls: list[str], files: dict[str, str]
+    ) -> list[tuple[str, str]] | str:
+        """("returned", repr) or ("raised", error) of each call on the package in `files`, by
+        `runner.py` in the sandbox, or what went wrong. No test file enters the sandbox."""
         with self.slots, tempfile.TemporaryDirectory(prefix="relay-code-") as tmp:
             root = Path(tmp)
             for rel, text in files.items():
                 if not rel.startswith("tests/"):  # they hold the expected values
                     (root / rel).parent.mkdir(parents=True, exist_ok=True)
                     (root / rel).write_text(text)
-            (root / "relay_cases.json").write_text(json.dumps([task.package, cases]))
-            (root / "relay_run_tests.py").write_text(RUNNER)
-            result = sandbox.run([self.args.python, "-I", "relay_run_tests.py"], root, self.limits)
+            (root / RUNNER).write_text(RUNNER_SOURCE)
+            argv = [self.args.python, "-I", RUNNER]
+            result = sandbox.run(argv, root, self.limits, stdin=json.dumps([package, calls]))
         if result.timed_out or result.returncode in (128 + 9, 128 + 24):  # SIGKILL, SIGXCPU
             limits = f"{self.limits.wall_s:g} s wall clock, {self.limits.cpu_s} s CPU"
             return f"the tests were stopped by the time limit ({limits})"
-        observed = _report(result.channel, [test for test, _ in cases])
-        if observed is None:
-            return _crash(result)
-        return [[test, *_verdict(call, want, *observed[test])] for test, call, want in task.cases]
+        observed = _report(result.channel, len(calls))
+        return _crash(result) if observed is None else observed
 
-    # Scoring.
+    # Scoring: on the held-out cases.
 
     def _score_uncached(self, split: str, index: int, package: tuple[tuple[str, str], ...]) -> int:
-        outcome = self.run_tests(self.task(split, index), dict(package))
-        return sum(ok for _, ok, _ in outcome) if isinstance(outcome, list) else 0
+        task = self.task(split, index)
+        outcome = self.run_cases(task.package, [call for call, _ in task.held_out], dict(package))
+        if isinstance(outcome, str):
+            return 0
+        return sum(
+            _verdict(call, want, *said)[0]
+            for (call, want), said in zip(task.held_out, outcome, strict=True)
+        )
 
     def passed(self, example: Example, turns: list[str]) -> int:
-        """Tests of the task that pass on the episode's edited package (original tests)."""
+        """Held-out cases of the task that pass on the episode's edited package."""
         files = self.files(example, turns)
         package = tuple(sorted((p, t) for p, t in files.items() if not p.startswith("tests/")))
         return self._score(example.info["split"], example.info["index"], package)
 
     def reward(self, example: Example, completion: list[str]) -> float:
         task = self.task(**example.info)
-        passing_at_start = task.tests - task.failing_at_start
+        passing_at_start = len(task.held_out) - task.held_out_failing
         fixed = self.passed(example, completion) - passing_at_start
         if fixed > 0:
-            return fixed / task.failing_at_start
+            return fixed / task.held_out_failing
         calling = sum(bool(parse_tool_calls(t, self.tools)[0]) for t in completion)
         return self.args.call_bonus * calling / max(1, len(completion))
 
     def exact_match(self, example: Example, completion: list[str]) -> bool:
-        return self.passed(example, completion) == self.task(**example.info).tests
+        return self.passed(example, completion) == len(self.task(**example.info).held_out)
 
     def metrics(self, example: Example, completion: list[str]) -> dict[str, float]:
         """Tool-use statistics of one episode."""
@@ -289,21 +289,31 @@ def _summary(outcome: list[list[Any]] | str) -> str:
     return "\n".join([f"{passed} passed, {len(failed)} failed", *failed])
 
 
-def _report(channel: str, tests: list[str]) -> dict[str, tuple[str, str]] | None:
-    """The runner's report: test -> ("returned", repr) or ("raised", error), one per test;
-    None when the channel holds anything else (a crash, or writes of the package's own)."""
+def _report(channel: str, cases: int) -> list[tuple[str, str]] | None:
+    """The runner's report: `cases` lines `[index, kind, text]`, each index in turn, each line
+    ended; None for anything else."""
+    lines = channel.split("\n")
+    if lines.pop() != "" or len(lines) != cases:  # the last line is ended too
+        return None
+    observed = []
+    for index, line in enumerate(lines):
+        case = _case_line(line, index)
+        if case is None:
+            return None
+        observed.append(case)
+    return observed
+
+
+def _case_line(line: str, index: int) -> tuple[str, str] | None:
     try:
-        report = json.loads(channel)
-    except json.JSONDecodeError:
+        entry = json.loads(line)
+    except ValueError:
         return None
-    if not isinstance(report, dict) or sorted(report) != sorted(tests):
+    if not isinstance(entry, list) or [type(part) for part in entry] != [int, str, str]:
         return None
-    for entry in report.values():
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
-            return None
-        if entry[0] not in ("returned", "raised"):
-            return None
-    return {test: (kind, text) for test, (kind, text) in report.items()}
+    if entry[0] != index or entry[1] not in ("returned", "raised"):
+        return None
+    return entry[1], entry[2]
 
 
 def _verdict(call: str, want: Any, kind: str, text: str) -> tuple[bool, str]:

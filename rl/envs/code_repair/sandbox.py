@@ -24,11 +24,14 @@ before it executes the command:
 - as root, also drops to an unprivileged uid of its own (so a process-count limit counts this
   run alone) that owns only that tmpfs;
 - forks the command as PID 1 of the new namespace with limits on CPU seconds, address space,
-  processes, file size and open files, no new privileges, and a seccomp filter that refuses
-  user namespaces and setns (`syscalls.py`: x86_64 and aarch64 only). When PID 1 ends, the
-  kernel ends everything it started. File descriptor 3 of the command is a pipe to the caller,
-  returned as `Result.channel`: a report channel that the command's stdout, which everything it
-  runs shares, cannot disturb.
+  processes, file size and open files, no capabilities (SECBIT_NOROOT: not even as uid 0 of a
+  user namespace, where a run without root is), no new privileges, and a seccomp filter that
+  refuses user namespaces, setns, the kernel's keyrings (the caller's session keyring is
+  inherited) and io_uring (`syscalls.py`: x86_64 and aarch64 only). Without capabilities, a
+  process of the run cannot trace or read a non-dumpable one (code_repair's runner relies on
+  it). When PID 1 ends, the kernel ends everything it started. File descriptor 3 of the command
+  is a pipe to the caller, returned as `Result.channel`: a report channel that the command's
+  stdout, which everything it runs shares, cannot disturb.
 
 Totals per run (not per process): disk bytes and inodes by the tmpfs, always. Memory and
 processes by a control group when one can be made: cgroup v2 where its memory and pids
@@ -79,9 +82,12 @@ from rl.envs.code_repair.syscalls import (
     MS_REMOUNT,
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
+    PR_SET_SECUREBITS,
+    SECBIT_NOROOT,
+    SECBIT_NOROOT_LOCKED,
     arch,
     bind,
-    forbid_user_namespaces,
+    install_filter,
     mount,
     pivot_to_cwd,
     prctl,
@@ -536,6 +542,9 @@ def _bootstrap(spec: dict) -> int:
             os.chdir(STAGE)
             pivot_to_cwd()  # the bootstrap's root moves too: it only waits from here on
             os.chdir(VIEW)
+            # Uid 0 gains no capabilities by exec, for good: as root of its user namespace (no
+            # root here), the command would otherwise hold them all there.
+            prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED)
             if root:
                 os.setgroups([])
                 os.setgid(sandbox_uid)
@@ -545,7 +554,7 @@ def _bootstrap(spec: dict) -> int:
             env = {"PATH": "/usr/bin:/bin", "HOME": VIEW, "LANG": "C.UTF-8"}
             env["PYTHONDONTWRITEBYTECODE"] = "1"
             prctl(PR_SET_NO_NEW_PRIVS, 1)
-            forbid_user_namespaces()
+            install_filter()
             os.execvpe(program, [program, *argv[1:]], env)
         except BaseException as err:  # noqa: BLE001 - report and leave the child now
             os.write(2, f"sandbox: {err}\n".encode())

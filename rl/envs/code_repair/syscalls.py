@@ -1,6 +1,6 @@
 """The Linux calls the code sandbox makes that Python does not wrap: mounts (a bind mount made
-read-only with all it holds), pivot_root, and a seccomp filter that keeps the command out of
-user namespaces.
+read-only with all it holds), pivot_root, securebits, and a seccomp filter that keeps the
+command out of user namespaces, the kernel's keyrings and io_uring.
 
 The filter (classic BPF, installed after PR_SET_NO_NEW_PRIVS, inherited by every process the
 command starts and kept across exec) refuses:
@@ -10,8 +10,14 @@ command starts and kept across exec) refuses:
 - clone3, with ENOSYS: its flags lie in a struct the filter cannot read, and on ENOSYS glibc
   falls back to clone, whose flags it can;
 - setns, with EPERM: no joining another namespace either;
+- add_key, request_key and keyctl, with ENOSYS: keyrings are not namespaced, and the command
+  inherits the caller's session keyring, so it could read the caller's keys and plant its own;
+- io_uring_setup, io_uring_enter and io_uring_register, with ENOSYS: io_uring's operations run
+  in the kernel without passing through this filter (container runtimes refuse it alike);
 - any call of another ABI (i386 or x32 on x86_64), by killing the process: the numbers the
   filter checks are those of the native ABI only.
+ENOSYS is what a kernel built without keyrings or io_uring answers, so a program that probes
+for them falls back as it would there.
 
 The filter names calls by number, and numbers differ between architectures: `ARCHES` holds them
 for x86_64 and aarch64. On any other machine `arch()` raises, so the sandbox refuses to start
@@ -32,6 +38,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+PR_SET_SECUREBITS, SECBIT_NOROOT, SECBIT_NOROOT_LOCKED = 28, 1 << 0, 1 << 1
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x50000, 0x7FFF0000
 BPF_LD_W_ABS, BPF_JEQ, BPF_JGE, BPF_JSET, BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
 NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data (ARG0: its low 32 bits)
@@ -47,14 +54,42 @@ class Arch:
     unshare: int
     setns: int
     pivot_root: int
+    add_key: int
+    request_key: int
+    keyctl: int
     clone3: int = 435
+    io_uring: tuple[int, ...] = (425, 426, 427)
+    """io_uring_setup, io_uring_enter and io_uring_register."""
     foreign: int | None = None
     """Call numbers from this one up belong to another ABI on the same tag (x32 on x86_64)."""
 
+    def not_implemented(self) -> tuple[int, ...]:
+        """The calls the filter answers with ENOSYS."""
+        return (self.clone3, self.add_key, self.request_key, self.keyctl, *self.io_uring)
+
 
 ARCHES = {
-    "x86_64": Arch(0xC000003E, clone=56, unshare=272, setns=308, pivot_root=155, foreign=1 << 30),
-    "aarch64": Arch(0xC00000B7, clone=220, unshare=97, setns=268, pivot_root=41),
+    "x86_64": Arch(
+        0xC000003E,
+        clone=56,
+        unshare=272,
+        setns=308,
+        pivot_root=155,
+        add_key=248,
+        request_key=249,
+        keyctl=250,
+        foreign=1 << 30,
+    ),
+    "aarch64": Arch(
+        0xC00000B7,
+        clone=220,
+        unshare=97,
+        setns=268,
+        pivot_root=41,
+        add_key=217,
+        request_key=218,
+        keyctl=219,
+    ),
 }
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -149,7 +184,7 @@ class _Program(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Instruction))]
 
 
-def namespace_filter(native: Arch) -> list[tuple[int, int, int, int]]:
+def seccomp_program(native: Arch) -> list[tuple[int, int, int, int]]:
     """The filter's BPF, as (code, jump if true, jump if false, constant) instructions."""
     eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
     program = [
@@ -160,9 +195,9 @@ def namespace_filter(native: Arch) -> list[tuple[int, int, int, int]]:
     ]
     if native.foreign is not None:
         program += [(BPF_JGE, 0, 1, native.foreign), (BPF_RET, 0, 0, SECCOMP_RET_KILL_PROCESS)]
+    for number in native.not_implemented():
+        program += [(BPF_JEQ, 0, 1, number), (BPF_RET, 0, 0, enosys)]
     return program + [
-        (BPF_JEQ, 0, 1, native.clone3),
-        (BPF_RET, 0, 0, enosys),
         (BPF_JEQ, 0, 1, native.setns),
         (BPF_RET, 0, 0, eperm),
         (BPF_JEQ, 1, 0, native.unshare),
@@ -174,9 +209,9 @@ def namespace_filter(native: Arch) -> list[tuple[int, int, int, int]]:
     ]
 
 
-def forbid_user_namespaces() -> None:
+def install_filter() -> None:
     """Install the filter on this process, and so on all it starts; needs no_new_privs set."""
-    instructions = namespace_filter(arch())
+    instructions = seccomp_program(arch())
     code = (_Instruction * len(instructions))(*instructions)
     program = _Program(len(instructions), code)
     check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0), "seccomp")

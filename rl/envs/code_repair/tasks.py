@@ -9,6 +9,13 @@ from (split, index, seed): task 17 of "train" is the same package on every machi
 
 Expected values come from running the correct template code here, at generation time; that code
 is the generator's own, never the model's.
+
+Each task also has held-out cases, the ones its reward is scored on: more calls of the same
+functions, drawn from a stream of their own, none of them a call the tests show, with their
+expected values. They are never written into the task's files, so the model cannot read them,
+and their expected values never enter the sandbox (the environment judges outside it): a
+package that overfits, or forges, the visible tests gains nothing. A draw whose bug no test, or
+no held-out case, catches is drawn again.
 """
 
 from __future__ import annotations
@@ -159,6 +166,8 @@ TEMPLATES = (
 PACKAGES = ("numkit", "seqtools", "textops", "mathbits", "listlib", "calc", "tally", "arrays")
 MODULES = ("core", "ops", "helpers", "basic", "extra", "util")
 TESTS_PER_FUNCTION = 2
+HELD_OUT_PER_FUNCTION = 4
+"""Held-out cases per function; for the buggy one, the first half are drawn to expose its bug."""
 
 
 @dataclass(frozen=True)
@@ -172,31 +181,47 @@ class Task:
     failing_at_start: int
     cases: tuple[tuple[str, str, Any], ...]
     """(test name, call, expected value) of each test, as its test file spells them: what the
-    environment judges a run by, outside the sandbox."""
+    `run_tests` tool reports on."""
+    held_out: tuple[tuple[str, Any], ...]
+    """(call, expected value) of each case the reward is scored on (see the module docstring)."""
+    held_out_failing: int
+    """How many of the held-out cases the package fails as given."""
 
 
 @lru_cache(maxsize=16384)
 def make_task(seed: int, split: str, index: int) -> Task:
     """Task `index` of `split`; the same arguments give the same package everywhere."""
-    rng = random.Random(f"code_repair:{seed}:{split}:{index}")
-    while True:  # a draw whose bug no test catches is drawn again from the same stream
-        task = _draw(rng)
+    stream = f"code_repair:{seed}:{split}:{index}"
+    rng, held_out_rng = random.Random(stream), random.Random(f"{stream}:held_out")
+    while True:  # a draw whose bug goes uncaught is drawn again from the same streams
+        task = _draw(rng, held_out_rng)
         if task is not None:
             return task
 
 
-def _draw(rng: random.Random) -> Task | None:
+@dataclass(frozen=True)
+class _Function:
+    """One function of a drawn package, as the generator knows it."""
+
+    name: str
+    template: Template
+    correct: Any
+    wrong: Any | None
+    """The buggy version, for the function that carries the bug."""
+
+
+def _draw(rng: random.Random, held_out_rng: random.Random) -> Task | None:
     package = f"{rng.choice(PACKAGES)}{rng.randint(1, 99)}"
     modules = rng.sample(MODULES, 2)
     chosen = rng.sample(TEMPLATES, rng.randint(3, 4))
     buggy = rng.randrange(len(chosen))
     sources, tests, cases, fix = {m: [] for m in modules}, [], [], None
-    failing = 0
+    functions, failing = [], 0
     for i, template in enumerate(chosen):
         name, module = rng.choice(template.names), modules[i % 2]
         k = rng.randint(2, 5)
         source = template.source.format(name=name, k=k)
-        correct = _compile(source, name)
+        correct, wrong = _compile(source, name), None
         if i == buggy:
             good, bad = rng.choice(template.bugs)
             good, bad = good.format(k=k), bad.format(k=k, k1=k + 1)
@@ -204,13 +229,14 @@ def _draw(rng: random.Random) -> Task | None:
             fix = (f"{package}/{module}.py", broken, source)  # whole functions: unique
             wrong = _compile(broken, name)
         for t in range(TESTS_PER_FUNCTION):
-            args = _distinguishing(rng, template, correct, wrong if i == buggy else None, t)
+            args = _distinguishing(rng, template, correct, wrong, t)
             want = correct(*args)
-            if i == buggy and _outcome(wrong, args) != want:
+            if wrong is not None and _outcome(wrong, args) != want:
                 failing += 1
             tests.append(_test(name, f"{name}_{t + 1}", args, want))
             cases.append((f"test_{name}_{t + 1}", _call(name, args), want))
         sources[module].append(broken if i == buggy else source)
+        functions.append(_Function(name, template, correct, wrong))
     if failing == 0 or fix is None:
         return None
     imports = "".join(
@@ -220,7 +246,43 @@ def _draw(rng: random.Random) -> Task | None:
     files |= {f"{package}/{m}.py": "\n\n".join(s) for m, s in sources.items() if s}
     header = f"from {package} import {_names([s for m in modules for s in sources[m]])}"
     files[f"tests/test_{package}.py"] = header + "\n\n\n" + "\n\n".join(tests)
-    return Task(package, files, fix, len(tests), failing, tuple(cases))
+    held_out = _held_out(held_out_rng, functions, {call for _, call, _ in cases})
+    if held_out is None:
+        return None
+    return Task(package, files, fix, len(tests), failing, tuple(cases), *held_out)
+
+
+def _held_out(
+    rng: random.Random, functions: list[_Function], shown: set[str]
+) -> tuple[tuple[tuple[str, Any], ...], int] | None:
+    """The held-out cases of a package's functions, none of them a call its tests show, and how
+    many of them the buggy package fails; None when none of them exposes the bug."""
+    cases, failing = [], 0
+    for function in functions:
+        for i in range(HELD_OUT_PER_FUNCTION):
+            expose = function.wrong is not None and i < HELD_OUT_PER_FUNCTION // 2
+            args = _unseen(rng, function, shown, expose) or _unseen(rng, function, shown, False)
+            if args is None:
+                return None
+            want = function.correct(*args)
+            failing += function.wrong is not None and _outcome(function.wrong, args) != want
+            cases.append((_call(function.name, args), want))
+    return (tuple(cases), failing) if failing else None
+
+
+def _unseen(
+    rng: random.Random, function: _Function, shown: set[str], expose: bool
+) -> tuple[Any, ...] | None:
+    """Arguments, within 50 draws, whose call is not in `shown` and, when `expose`, on which the
+    buggy version answers wrongly; None when no draw is."""
+    make = INPUTS[function.template.args]
+    for _ in range(50):
+        args = make(rng)
+        if _call(function.name, args) in shown:
+            continue
+        if not expose or _outcome(function.wrong, args) != _outcome(function.correct, args):
+            return args
+    return None
 
 
 def _compile(source: str, name: str) -> Any:
