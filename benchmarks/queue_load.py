@@ -38,7 +38,15 @@ from benchmarks.queue_throughput import raw_loopback_mb_per_s
 from rl.core import wire
 from rl.core.auth import token_auth
 from rl.core.runtime import listen_socket, wait_for_address
-from tests.support.runs import ROOT, TOKEN, compose_run, start_role, stop_role, write_run_dir
+from tests.support.runs import (
+    ROOT,
+    TOKEN,
+    compose_run,
+    declare_run_state,
+    start_role,
+    stop_role,
+    write_run_dir,
+)
 
 
 @dataclass
@@ -94,21 +102,27 @@ class Load:
     errors: list[str] = field(default_factory=list)
 
 
-def queue_config(shape: Shape, total_groups: int) -> list[str]:
+def queue_config(shape: Shape, total_groups: int, producers: int) -> list[str]:
     return [
         f"environment.prompts_per_step={shape.prompts}",
         f"queue.capacity={total_groups}",
+        f"queue.batches_ahead={producers}",  # each pushes its batches in order, all at once
         "queue.max_request_mb=256",
         "algorithm.max_off_policy_steps=1000000",  # every group is version 0
         # The queue checks ids and lengths against the run: a 150k vocabulary, long samples.
         f"model.vocab_size={VOCAB}",
         f"model.context_length={max(128, shape.prompt_tokens + shape.completion_tokens)}",
+        f"environment.max_context_tokens={shape.prompt_tokens + shape.completion_tokens}",
     ]
 
 
-def start_queue(root: Path, shape: Shape, total_groups: int) -> tuple[subprocess.Popen[bytes], str]:
-    cfg = compose_run(*queue_config(shape, total_groups))
-    proc = start_role("queue", write_run_dir(root, cfg, TOKEN))
+def start_queue(
+    root: Path, shape: Shape, total_groups: int, producers: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    cfg = compose_run(*queue_config(shape, total_groups, producers))
+    run_dir = write_run_dir(root, cfg, TOKEN)
+    declare_run_state(run_dir, newest_version=0)  # every group is version 0, rewards 0 or 1
+    proc = start_role("queue", run_dir)
     return proc, wait_for_address(root, "queue", timeout=60)
 
 
@@ -123,7 +137,8 @@ def produce(url: str, batches: list[tuple[int, bytes]], resend: bool, load: Load
             elapsed = time.perf_counter() - start
             with lock:
                 if response.status_code != 200:
-                    load.errors.append(f"push {number}: HTTP {response.status_code}")
+                    status, text = response.status_code, response.text[:200]
+                    load.errors.append(f"push {number}: HTTP {status} {text}")
                 elif response.json().get("duplicate"):
                     load.duplicates_refused += 1
                 else:
@@ -290,12 +305,12 @@ def main() -> None:
     raw_before = raw_loopback_mb_per_s(flat)
     sink = sink_ingest(bodies)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_queue(Path(tmp) / "load", shape, steps * shape.prompts)
+        proc, url = start_queue(Path(tmp) / "load", shape, steps * shape.prompts, args.producers)
         try:
             load = run_load(url, bodies, args.ranks, steps, args.timeout)
         finally:
             stop_role(proc)
-        proc, url = start_queue(Path(tmp) / "ingest", shape, steps * shape.prompts)
+        proc, url = start_queue(Path(tmp) / "ingest", shape, steps * shape.prompts, args.producers)
         try:
             alone = ingest(url, bodies)
         finally:

@@ -26,7 +26,14 @@ import httpx
 from rl.core import wire
 from rl.core.auth import token_auth
 from rl.core.runtime import wait_for_address
-from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from tests.support.runs import (
+    TOKEN,
+    compose_run,
+    declare_run_state,
+    start_role,
+    stop_role,
+    write_run_dir,
+)
 
 GROUPS_PER_STEP = 8
 
@@ -55,9 +62,12 @@ def start_queue(run_dir: Path) -> subprocess.Popen[bytes]:
         "queue.max_request_mb=256",
         "model.vocab_size=150000",  # the ids it pushes, and their length, fit the run
         "model.context_length=1152",
+        "environment.max_context_tokens=1152",
         "algorithm.max_off_policy_steps=1000000",  # every group is version 0
     )
-    return start_role("queue", write_run_dir(run_dir, cfg, TOKEN))
+    write_run_dir(run_dir, cfg, TOKEN)
+    declare_run_state(run_dir, newest_version=0)  # rewards in [0, 1), advantages in [-0.5, 0.5)
+    return start_role("queue", run_dir)
 
 
 def bench_queue(
@@ -69,7 +79,8 @@ def bench_queue(
         for body in bodies:
             start = time.perf_counter()
             response = client.post("/push", content=body, headers={"Content-Type": content_type})
-            response.raise_for_status()
+            if response.status_code != 200:
+                raise SystemExit(f"push: HTTP {response.status_code} {response.text}")
             latencies.append(time.perf_counter() - start)
         push_s = time.perf_counter() - t0
         pulled = 0

@@ -36,7 +36,14 @@ import torch.multiprocessing as mp
 
 from rl.core import wire
 from rl.core.runtime import Peer, run_auth
-from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
+from tests.support.runs import (
+    TOKEN,
+    compose_run,
+    declare_run_state,
+    start_role,
+    stop_role,
+    write_run_dir,
+)
 
 MODEL = [  # a Qwen3 of 3.2M parameters (12.7 MB in float32)
     "model.num_layers=4",
@@ -189,6 +196,7 @@ def measure(tmp: Path, world: int, samples: int, steps: int) -> list[dict[str, f
         "queue.max_request_mb=256",
     )
     run_dir = write_run_dir(tmp / name, cfg, TOKEN)
+    declare_run_state(run_dir, newest_version=steps)  # step N's groups are version N
     queue = start_role("queue", run_dir)
     try:
         push_steps(run_dir, samples, steps)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from rl.core.auth import derive, token_auth
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
-from rl.inference.engine import Engine
+from rl.inference.engine import RUN_GENERATES_S, ApiShare, Engine, LoadJob
 from rl.inference.server import build_app
 from tests.support import inference
 from tests.support.inference import complete, send_unread, served_in_thread
@@ -95,7 +95,8 @@ def gated(cfg: DictConfig) -> Iterator[SimpleNamespace]:
             try:
                 with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=WAIT_S) as client:
                     yield SimpleNamespace(url=url, client=client, gate=gate, cancelled=cancelled,
-                                          submitted=submitted, batches=batches)  # fmt: skip
+                                          submitted=submitted, batches=batches,
+                                          engine=engine)  # fmt: skip
             finally:
                 gate.open()  # passes held at the gate finish, so the server can stop
     finally:
@@ -203,20 +204,21 @@ def test_requests_are_served_in_the_order_they_came(gated: SimpleNamespace, gate
 
 
 def test_the_runs_rollouts_go_ahead_of_api_clients(gated: SimpleNamespace, gate: Gate) -> None:
-    """Behind a request holding the engine: an API client's 512 rows and 1 row (the API key),
-    then the run's own rollout (the orchestrator's key). The rollout is served next, ahead of
-    both: API clients delay the run's rollouts by the batch already running at most."""
+    """Behind a request holding the engine: an API client's two requests of 256 rows (the API
+    key; 512 rows in all, its bound: inference.api_rows_per_key), then the run's own rollout
+    (the orchestrator's key). The rollout is served next, ahead of both: API clients delay the
+    run's rollouts by the batch already running at most."""
     api_key = derive(TOKEN)["inference"]
     with (
         ThreadPoolExecutor(4) as pool,
         httpx.Client(base_url=gated.url, headers={"Authorization": f"Bearer {api_key}"},
                      timeout=WAIT_S) as api,
     ):  # fmt: skip
-        first = pool.submit(complete, api, prompt="ab", max_tokens=2)
+        first = pool.submit(complete, gated.client, prompt="ab", max_tokens=2)
         assert gate.next_pass() == 1  # the first request holds the engine
         gated.submitted.get(timeout=WAIT_S)
         rest = []
-        for client, n in ((api, 512), (api, 1), (gated.client, 1)):  # the last: a rollout
+        for client, n in ((api, 256), (api, 256), (gated.client, 1)):  # the last: a rollout
             rest.append(pool.submit(complete, client, prompt="ab", n=n, max_tokens=2))
             gated.submitted.get(timeout=WAIT_S)
         gate.open()
@@ -224,4 +226,83 @@ def test_the_runs_rollouts_go_ahead_of_api_clients(gated: SimpleNamespace, gate:
     batches = []
     while not gated.batches.empty():
         batches.append(gated.batches.get())
-    assert batches == [[1], [1], [512], [1]]  # in arrival order: [1], [512], [1], [1]
+    assert batches == [[1], [1, 256], [256]]  # in arrival order: [1], [256, 256], [1]
+
+
+def test_the_runs_rollouts_go_between_the_steps_of_api_clients_batch(
+    gated: SimpleNamespace, gate: Gate
+) -> None:
+    """An API client's 8 rows of one prompt hold the engine (their prompt pass, 1 row), then the
+    run's rollout of 3 prompts comes: its prompt pass (3 rows) and steps run before the API
+    batch's first decoding step (8 rows), which then goes on. Greedy, so the 8 rows end
+    together and every pass of theirs has 8 rows."""
+    api_key = derive(TOKEN)["inference"]
+    with (
+        ThreadPoolExecutor(2) as pool,
+        httpx.Client(base_url=gated.url, headers={"Authorization": f"Bearer {api_key}"},
+                     timeout=WAIT_S) as api,
+    ):  # fmt: skip
+        held = pool.submit(complete, api, prompt="ab", n=8, max_tokens=4, temperature=0)
+        assert gate.next_pass() == 1  # the API batch's prompt pass, held
+        rollout = pool.submit(complete, gated.client, prompt=PROMPTS, max_tokens=3, temperature=0)
+        gated.submitted.get(timeout=WAIT_S)
+        gated.submitted.get(timeout=WAIT_S)
+        gate.open()
+        answers = [f.result(timeout=WAIT_S) for f in (held, rollout)]
+        assert [a.status_code for a in answers] == [200, 200]
+    passes = gate.close()
+    # A pass draws each token: the prompt pass the first, then one pass per further token.
+    api_steps = len(answers[0].json()["choices"][0]["token_ids"]) - 1
+    rollout_passes = max(len(c["token_ids"]) for c in answers[1].json()["choices"])
+    assert api_steps == 3  # no row ended early: 4 tokens
+    assert passes[0] == len(PROMPTS)  # the rollout's prompt pass, before any API step
+    assert passes == [*passes[:rollout_passes], *[8] * api_steps]
+    assert set(passes[:rollout_passes]) <= {1, 2, 3}
+
+
+def test_api_clients_share_is_a_rest_after_their_work_while_the_run_generates() -> None:
+    share = ApiShare(0.25, rollout_at=100.0)
+    share.worked(0.1, now=101.0)  # a rollout a second ago: the run generates
+    assert share.rest_left(101.0) == pytest.approx(0.3)  # 0.1 s of work is a quarter of 0.4 s
+    assert share.rest_left(101.2) == pytest.approx(0.1) and share.rest_left(102.0) == 0.0
+    share.worked(0.1, now=100.0 + RUN_GENERATES_S + 1)  # no rollout for a while: no rest
+    assert share.rest_left(100.0 + RUN_GENERATES_S + 1) == 0.0
+    whole = ApiShare(1.0, rollout_at=100.0)
+    whole.worked(0.1, now=101.0)
+    assert whole.rest_left(101.0) == 0.0
+
+
+def test_api_clients_batches_rest_while_the_run_generates(
+    gated: SimpleNamespace, gate: Gate, cfg: DictConfig, tmp_path: Path
+) -> None:
+    """With a share so small that the rest outlasts the test: an API client's batch (8 rows)
+    rests after its prompt pass, and another API request waits behind it, while the run's
+    rollout comes and is served meanwhile. A weight load queued ends the rest (it needs the
+    batch to end): both API requests are then answered, and the load (of nothing) refused."""
+    engine = gated.engine
+    api_key = derive(TOKEN)["inference"]
+    engine.api_share = ApiShare(1e-9)
+    try:
+        gate.open()
+        assert complete(gated.client, prompt="ab", max_tokens=1).status_code == 200  # generates
+        gated.submitted.get(timeout=WAIT_S)
+        gate.close()
+        with (
+            ThreadPoolExecutor(3) as pool,
+            httpx.Client(base_url=gated.url, headers={"Authorization": f"Bearer {api_key}"},
+                         timeout=WAIT_S) as api,
+        ):  # fmt: skip
+            first = pool.submit(complete, api, prompt="ab", n=8, max_tokens=3, temperature=0)
+            assert gate.next_pass() == 1  # its prompt pass, held
+            gate.open()  # the prompt pass goes on, then the batch rests
+            second = pool.submit(complete, api, prompt="ab", max_tokens=1)
+            rollout = pool.submit(complete, gated.client, prompt=PROMPTS, max_tokens=2)
+            for _ in range(3):
+                gated.submitted.get(timeout=WAIT_S)
+            assert rollout.result(timeout=WAIT_S).status_code == 200  # served in the rest
+            assert not first.done() and not second.done()  # the API clients' wait it out
+            load = engine.submit(LoadJob(tmp_path / "nothing", 1))
+            assert [f.result(timeout=WAIT_S).status_code for f in (first, second)] == [200] * 2
+            assert load.exception(timeout=WAIT_S) is not None
+    finally:
+        engine.api_share = ApiShare(cfg.inference.api_share)

@@ -43,6 +43,7 @@ from tests.support.runs import (
     assert_no_process_left,
     child_env,
     compose_run,
+    declare_run_state,
     processes_of,
     rl_command,
 )
@@ -163,6 +164,7 @@ def test_a_role_on_a_full_disk_ends_the_run_in_one_line(tmp_path: Path) -> None:
     log = tmp_path / "queue.log"  # beside the full disk: what the role says is all kept
     with small_disk(tmp_path / "disk", 2 * MB) as root:
         RunDir(root).create(cfg, TOKEN)
+        declare_run_state(root, newest_version=0)
         argv = [sys.executable, "-m", "rl.queue", "--run-dir", str(root)]
         env = {**os.environ, "RELAY_TOKEN": TOKEN, "RELAY_RUN_DIR": str(root)}
         children = [spawn("queue", "queue", argv, env, log)]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rl.core.rundir import RunDir
-from tests.support.faults import KillAtStep, KillInTurn, trained_steps
+from tests.support.faults import KillAtStep, KillInTurn, Tamper, trained_steps
 from tests.support.repro import differences
 from tests.support.runs import ROOT, assert_no_process_left
 
@@ -120,6 +120,43 @@ def test_run_survives_kill_9_and_a_hang_of_each_role_in_turn(
     assert "resuming: the queue holds batches" in orchestrator
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
     assert differences(undisturbed, run_dir) == []
+    assert_no_process_left(run_dir)
+
+
+def test_a_run_whose_weights_and_queue_are_tampered_with_trains_on(
+    tmp_path: Path, cache: Path
+) -> None:
+    """Every third published version rewritten in place as soon as the trainer records it,
+    a planted complete `weights/step_777000`, and, with the push key, a batch numbered past
+    the next and a group from a version 10**6 ahead: the rewritten versions are refused and
+    skipped (inference never dies, the orchestrator never exits), the stray is warned of and
+    neither loaded nor pruned, the pushes get 422, and the run finishes with every step
+    recorded once and no restart spent."""
+    run_dir = tmp_path / "run"
+    tamper = Tamper(run_dir, every=3, push_at=8)
+    tamper.start()
+    command = [sys.executable, "-m", "launcher.cli", f"hydra.run.dir={run_dir}", "max_steps=24",
+               "environment.eval_every=0"]  # fmt: skip
+    out = subprocess.run(
+        command, cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=900
+    )
+    tamper.stopped.set()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert trained_steps(run_dir) == list(range(1, 25))
+    assert "restarting it" not in out.stderr
+    assert len(tamper.rewritten) >= 4, tamper.rewritten
+    orchestrator = (run_dir / "logs" / "orchestrator.log").read_text()
+    refused = re.findall(r"version (\d+) refused by inference, skipped", orchestrator)
+    assert refused and {int(v) for v in refused} <= set(tamper.rewritten), refused
+    assert "does not match the SHA-256 the trainer recorded" in orchestrator
+    run = RunDir(run_dir)
+    assert run.weights_for(777000).exists() and 777000 not in run.published_versions()
+    assert run.published_versions()[-1] == 24
+    trainer = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"{run.weights_for(777000)} was not published by this run's trainer" in trainer
+    assert [status for status, _ in tamper.pushes.values()] == [422, 422], tamper.pushes
+    assert "ahead of the schedule" in tamper.pushes["batch ahead"][1]
+    assert "newer than the newest the trainer published" in tamper.pushes["version ahead"][1]
     assert_no_process_left(run_dir)
 
 

@@ -337,9 +337,29 @@ def test_oversized_bodies_are_refused_before_parsing(server: Any) -> None:
 
 
 @pytest.mark.slow
+def test_text_that_cannot_fit_is_refused_by_its_bytes(server: Any) -> None:
+    """The tiny model serves 128 tokens, and its longest token is "<pad>" (5 bytes): text over
+    640 bytes is refused by its size, on either route, before it is tokenized; 640 bytes are
+    tokenized (then refused for their 641 tokens: BOS, then one a character)."""
+    chat = "/v1/chat/completions"
+    for size in (641, 1_000_000):
+        for route, body in [
+            ("/v1/completions", {"prompt": "a" * size}),
+            (chat, {"messages": [{"role": "user", "content": "a" * size}]}),
+        ]:
+            resp = server.client.post(route, json={"model": "tiny", "max_tokens": 1, **body})
+            assert resp.status_code == 400, resp.text[:300]
+            assert f"{size} bytes of text" in resp.json()["detail"], resp.text[:300]
+            assert "at most 640 bytes" in resp.json()["detail"]
+    tokenized = complete(server.client, prompt="a" * 640, max_tokens=1)
+    assert tokenized.status_code == 400 and "641 tokens" in tokenized.json()["detail"]
+
+
+@pytest.mark.slow
 def test_health_answers_while_a_large_prompt_is_tokenized(server: Any) -> None:
-    """Allowed but slow to tokenize (refused for length afterwards): /health is not held up."""
-    large = ["ab " * 100_000] * 3
+    """Text within the byte bound but too long in tokens (refused for length once tokenized):
+    /health is not held up while it is tokenized."""
+    large = ["ab " * 213] * 512  # 639 bytes each, the most a request's rows hold
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(complete, server.client, prompt=large, max_tokens=2)
         answered = []
@@ -607,7 +627,7 @@ def test_vllm_backend_needs_plan_arguments(cfg: DictConfig, tmp_path: Path) -> N
 
 
 def test_the_vllm_front_says_when_it_sleeps_and_refuses_completions_meanwhile(
-    tiny: tuple[Any, Any], cfg: DictConfig, checkpoint: Path
+    tiny: tuple[Any, Any], cfg: DictConfig, checkpoint: Path, tmp_path: Path
 ) -> None:
     """The vLLM front's sleep is vLLM's sleep mode (GPU only: a stand-in takes vLLM's admin
     calls here). /health says whether it sleeps, completions are refused meanwhile, and a
@@ -630,7 +650,8 @@ def test_the_vllm_front_says_when_it_sleeps_and_refuses_completions_meanwhile(
 
     front._admin, front._swap_weights = admin, swap  # type: ignore[method-assign]
     front.ready.set()
-    app = front_app(front, TOKEN, openai=VllmBackend(front, 128, cfg.model.vocab_size))
+    backend = VllmBackend(front, 128, cfg.model.vocab_size, cfg.inference.api_rows_per_key)
+    app = front_app(front, TOKEN, openai=backend)
     keys = token_auth(TOKEN)
     with TestClient(app, headers=keys.header("/admin/sleep")) as client:
         assert client.get("/health").json()["asleep"] is False
@@ -644,6 +665,8 @@ def test_the_vllm_front_says_when_it_sleeps_and_refuses_completions_meanwhile(
         assert refused.status_code == 503 and "asleep" in refused.json()["detail"]
         assert client.post("/admin/wake_up").json() == {"asleep": False}
         client.post("/admin/sleep")
-        assert client.portal.call(front.load_weights, checkpoint, 5)["policy_version"] == 5
+        published = shutil.copytree(checkpoint, tmp_path / "step_5")  # as the trainer does
+        write_checksums(published)
+        assert client.portal.call(front.load_weights, published, 5)["policy_version"] == 5
         assert client.get("/health").json()["asleep"] is False
     assert calls == ["/sleep", "/wake_up", "/sleep", "/wake_up", "swap 5"]

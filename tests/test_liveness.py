@@ -320,7 +320,8 @@ def test_a_weight_load_during_a_vllm_restart_waits_for_the_new_vllm(
 
     from rl.inference import vllm as vllm_backend
 
-    monkeypatch.setattr(vllm_backend, "check_checkpoint", lambda path: None)
+    # Loaded as it stands: no private copy of a version that was never published.
+    monkeypatch.setattr(vllm_backend.VllmFrontend, "_private_copy", lambda self, path, *_: path)
     rpcs: list[str] = []
 
     def vllm_routes(request: httpx.Request) -> httpx.Response:
@@ -365,7 +366,8 @@ def test_a_lost_node_restarts_its_replica_even_under_a_hung_load(
 
     from rl.inference import vllm as vllm_backend
 
-    monkeypatch.setattr(vllm_backend, "check_checkpoint", lambda path: None)
+    # Loaded as it stands: no private copy of a version that was never published.
+    monkeypatch.setattr(vllm_backend.VllmFrontend, "_private_copy", lambda self, path, *_: path)
     vllm = StubVllm()
     vllm.let_up.set()
     paused = threading.Event()
@@ -380,6 +382,7 @@ def test_a_lost_node_restarts_its_replica_even_under_a_hung_load(
 
     class Replica:
         reason: str | None = None
+        dir = tmp_path  # where the replica's nodes all read (a private copy's place)
 
         def lost(self) -> str | None:
             return self.reason

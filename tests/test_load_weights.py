@@ -98,11 +98,14 @@ def test_a_truncated_corrupt_or_linked_file_is_refused(tmp_path: Path) -> None:
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     pickled = fake_step(tmp_path / "pickled", {})
     torch.save({"a": torch.ones(2)}, pickled / "model.safetensors")
+    for folder in (truncated, pickled):
+        write_checksums(folder)  # written so by the trainer: refused for what they hold
     linked = fake_step(tmp_path / "linked", {})
     (linked / "model.safetensors").unlink()
     (linked / "model.safetensors").symlink_to(good / "model.safetensors")
     empty = tmp_path / "empty"
     empty.mkdir()
+    write_checksums(empty)
     for folder, reason in [
         (truncated, "not a readable safetensors file"),
         (pickled, "not a readable safetensors file"),
@@ -111,6 +114,48 @@ def test_a_truncated_corrupt_or_linked_file_is_refused(tmp_path: Path) -> None:
     ]:
         for check in (read_checkpoint, check_checkpoint):
             assert reason in refused(check, folder), folder
+
+
+REWRITTEN_WHILE_READ = """
+import os, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from rl.core.rundir import mark_complete, write_checksums
+from rl.weights.published import checked_tensors
+
+folder = Path(sys.argv[1])
+folder.mkdir()
+tensors = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}
+save_file(tensors, folder / "model.safetensors")
+write_checksums(folder)
+mark_complete(folder)
+tensors = checked_tensors(folder)
+first = next(tensors)
+file = folder / "model.safetensors"
+size = file.stat().st_size
+file.write_bytes(b"")  # rewritten in place, the same file: truncated, then refilled
+second = next(tensors)
+file.write_bytes(b"\\0" * size)
+rest = dict([first, second, *tensors])
+print("read whole:", len(rest), all(bool((t == float(n[1:])).all()) for n, t in rest.items()))
+"""
+
+
+def test_a_version_rewritten_in_place_while_it_is_read_cannot_kill_the_reader(
+    tmp_path: Path,
+) -> None:
+    """A published file truncated and refilled under a server that is reading it: the server
+    read it whole before checking it, so it loads the version the trainer recorded (read
+    through a memory map, the reader died of SIGBUS)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", REWRITTEN_WHILE_READ, str(tmp_path / "step_1")],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.strip() == "read whole: 8 True"
 
 
 def test_published_weights_are_fsynced_files_and_directories(
@@ -244,8 +289,13 @@ def test_the_orchestrator_skips_a_version_inference_refuses(
         assert waiter.wait(4, SERVED) == SERVED  # truncated
         assert waiter.wait(5, SERVED) == SERVED  # a pickle
         assert waiter.wait(4, SERVED) == SERVED  # known refused: not asked again
+        # A restarted orchestrator holds nothing: it loads the newest older version that
+        # loads (4, 3 and 2 are refused), rather than end the run again.
+        restarted = FilesystemWaiter(server.run.root, client, log, timeout_s=30, exact=True)
+        assert restarted.wait(5, -1) == SERVED
     warned = [r.getMessage() for r in caplog.records if "refused by inference" in r.getMessage()]
-    assert len(warned) == 2 and "version 4 refused by inference, skipped" in warned[0]
+    assert len(warned) == 3 and "version 4 refused by inference, skipped" in warned[0]
+    assert f"version 5 refused by inference, skipped: loaded version {SERVED} instead" in warned[2]
     assert "does not match the SHA-256" in warned[0]
     assert client.version == SERVED
     assert server.client.get("/admin/version").json() == {"policy_version": SERVED}
@@ -277,45 +327,50 @@ def test_a_broadcast_holding_nan_is_refused_by_name(server: SimpleNamespace) -> 
     assert server.client.post("/v1/completions", json=GREEDY).json()["choices"] == before
 
 
-class CheckedFront:
+def checked_front(private: Path) -> Any:
     """The vLLM front's load path with vLLM itself replaced: records what reaches the swap."""
+    from rl.inference.vllm import VllmFrontend
 
-    def __init__(self) -> None:
-        import asyncio
-        import logging
+    class CheckedFront(VllmFrontend):
+        def __init__(self) -> None:  # none of vLLM: the state the load path reads
+            import asyncio
+            import logging
 
-        from rl.inference.vllm import VllmFrontend
+            self.version, self.loaded, self.weights = -1, [], None
+            self.model_name, self.adapters, self.shared, self.base_points = "tiny", {}, False, {}
+            self.asleep, self.private, self.copies = False, private, 0
+            self.swap, self.ready = asyncio.Lock(), asyncio.Event()
+            self.ready.set()
+            self.logger = logging.getLogger("test")
 
-        self.version, self.loaded = -1, []
-        self.model_name, self.adapters, self.shared, self.base_points = "tiny", {}, False, {}
-        self.asleep = False
-        self.swap, self.ready = asyncio.Lock(), asyncio.Event()
-        self.ready.set()
-        self.logger = logging.getLogger("test")
-        self.held = VllmFrontend.held.__get__(self)
+        async def _swap_weights(self, path: Path, version: int) -> dict:
+            self.loaded.append((version, path))
+            self.version, self.weights = version, (path, version)
+            return {"policy_version": version}
 
-    async def _swap_weights(self, path: Path, version: int) -> dict:
-        self.loaded.append(version)
-        self.version = version
-        return {"policy_version": version}
+    return CheckedFront()
 
 
 def test_the_vllm_front_refuses_what_the_embedded_engine_refuses(tmp_path: Path) -> None:
+    """And loads a checked private copy, which it keeps while it serves it (to load again
+    after a restart), never the run's files (vLLM would read them after the check)."""
     from fastapi.testclient import TestClient
 
-    from rl.inference.vllm import VllmFrontend, build_app
+    from rl.inference.vllm import build_app
 
-    run = RunDir(tmp_path)
+    run = RunDir(tmp_path / "run")
     for version, value in ((1, 1.0), (2, float("nan")), (3, 1.0)):
         fake_step(run.weights_for(version), {"w": torch.full((2,), value)})
-    front = CheckedFront()
-    front.load_weights = VllmFrontend.load_weights.__get__(front)  # the real methods
-    front._load_weights = VllmFrontend._load_weights.__get__(front)
+    changed = fake_step(run.weights_for(4), {"w": torch.ones(2)})
+    (changed / "model.safetensors").write_bytes(b"\0" * 64)
+    front = checked_front(tmp_path / "private")
+    front.private.mkdir()
     admin = token_auth(TOKEN).header("/admin/load_weights")  # the orchestrator's admin key
-    client = TestClient(build_app(front, TOKEN, tmp_path), headers=admin)
+    client = TestClient(build_app(front, TOKEN, run.root), headers=admin)
     for body, status in [
         ({"version": 1, "path": str(run.weights_for(1))}, 200),
         ({"version": 2}, 400),  # NaN
+        ({"version": 4}, 400),  # changed since the trainer recorded it
         ({"version": 999}, 400),
         ({"version": -7}, 400),
         ({"version": 3, "path": str(tmp_path)}, 400),
@@ -323,4 +378,7 @@ def test_the_vllm_front_refuses_what_the_embedded_engine_refuses(tmp_path: Path)
         ({"version": 1}, 200),  # older than served: loaded as asked
     ]:
         assert client.post("/admin/load_weights", json=body).status_code == status, body
-    assert front.loaded == [1, 3, 1]
+    assert [v for v, _ in front.loaded] == [1, 3, 1]
+    assert all(path.parent == front.private for _, path in front.loaded)
+    assert list(front.private.iterdir()) == [front.loaded[-1][1]]  # the one it serves
+    assert torch.equal(read_checkpoint(front.loaded[-1][1], recorded=False)["w"], torch.ones(2))

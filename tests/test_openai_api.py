@@ -4,13 +4,20 @@ calls, templates and refusals against a scripted backend whose "model" says what
 
 from __future__ import annotations
 
+import asyncio
 import json
+import queue
 import re
 import string
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -28,6 +35,7 @@ from rl.inference.generation import Limits, generate
 from rl.inference.openai_api import ChatRequest, Params, Result, add_openai_routes, chat_prompt
 from rl.trainer.batches import sft_batch
 from tests.support import openai_checks
+from tests.support.inference import served_in_thread
 from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
 
 TOKEN = "openai-test"
@@ -162,6 +170,7 @@ class Scripted:
         self.tokenizer = build_char_tokenizer(len(ASCII) + 4, ASCII)
         self.model_name, self.max_len, self.max_rows = "scripted", 4096, None
         self.vocab_size, self.asleep = len(self.tokenizer), False
+        self.rows_per_key: int | None = None
         self.reply = reply
         self.prompts: list[list[int]] = []
 
@@ -328,3 +337,202 @@ def test_scripted_backend_serves_the_official_client_too() -> None:
         model="scripted", messages=[{"role": "user", "content": "play"}], tools=[GUESS]
     )
     assert done.choices[0].message.tool_calls[0].function.name == "guess"
+
+
+# --- cheap refusals: text that cannot fit, and each API key's share ----------------------
+
+MEGABYTE = "a" * 1_000_000
+
+
+class Tokenizing(Exception):
+    """Raised by the watched tokenizer: text reached it."""
+
+
+class WatchedTokenizer:
+    """A tokenizer that records every call that tokenizes or templates text, and refuses those
+    while `closed` (so that a server that tokenizes first fails at once, not 15 s later)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.inner, self.seen, self.closed = tokenizer, [], True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def _text(self, how: str, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(how)
+        if self.closed:
+            raise Tokenizing(f"{how} was called")
+        return getattr(self.inner, how)(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._text("__call__", *args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        return self._text("encode", *args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._text("apply_chat_template", *args, **kwargs)
+
+
+A_CALL = {"id": "c1", "type": "function",
+          "function": {"name": "guess", "arguments": json.dumps({"word": MEGABYTE})}}  # fmt: skip
+MEGABYTE_BODIES = {
+    "completion": ("/v1/completions", {"prompt": MEGABYTE}),
+    "completion-list": ("/v1/completions", {"prompt": ["ab", MEGABYTE], "stream": True}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": MEGABYTE}]}),
+    "chat-parts": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": MEGABYTE}]}]},
+    ),
+    "chat-tools": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "play"}],
+            "tools": [{**GUESS, "function": {**GUESS["function"], "description": MEGABYTE}}],
+        },
+    ),
+    "chat-tool-call": (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "play"},
+                {"role": "assistant", "content": None, "tool_calls": [A_CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "no"},
+            ],
+            "tools": [GUESS],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("route, body", MEGABYTE_BODIES.values(), ids=MEGABYTE_BODIES.keys())
+def test_a_megabyte_prompt_is_refused_before_the_tokenizer_sees_it(
+    route: str, body: dict[str, Any]
+) -> None:
+    """The scripted server holds 4096 tokens, and its longest token is "<pad>" (5 bytes): no
+    text over 4096 x 5 = 20480 bytes can fit, and 1 MB is refused without tokenizing it."""
+    client, backend = scripted_client("ok")
+    watched = backend.tokenizer = WatchedTokenizer(backend.tokenizer)
+    refused = client.post(route, json={"max_tokens": 2, **body})
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert "1000" in error["message"] and "at most 20480 bytes" in error["message"], error
+    assert error["code"] == "context_length_exceeded"
+    assert watched.seen == []
+    # The same route tokenizes a text that fits (the watch sees what the server tokenizes).
+    watched.closed = False
+    fits = json.loads(json.dumps(body).replace(MEGABYTE, "x" * 2_000))
+    served = client.post(route, json={"max_tokens": 2, **fits})
+    assert served.status_code == 200, served.text[:300]
+    assert watched.seen
+
+
+WAIT_S = 60  # for what must happen; reached only when it does not
+
+
+class Held(Scripted):
+    """The scripted backend with a bound of 8 rows per API key, holding every request until
+    the test lets them through; records the rows of each request it takes, and each stream
+    it drops."""
+
+    def __init__(self) -> None:
+        super().__init__("ok")
+        self.rows_per_key = 8
+        self.through = threading.Event()
+        self.taken: queue.Queue[int] = queue.Queue()
+        self.dropped: queue.Queue[int] = queue.Queue()
+
+    async def _held(self, prompts: list[list[int]], params: Params) -> None:
+        self.taken.put(len(prompts) * params.n)
+        while not self.through.is_set():  # on the event loop: no thread of the server's pool
+            await asyncio.sleep(0.01)
+
+    async def generate(self, prompts: list[list[int]], params: Params) -> Result:
+        await self._held(prompts, params)
+        return self._samples(prompts, params)
+
+    async def stream(self, prompts: list[list[int]], params: Params) -> AsyncIterator[Any]:
+        rows, ended = len(prompts) * params.n, False
+        try:
+            yield [(k, [self.tokenizer.convert_tokens_to_ids("o")]) for k in range(rows)]
+            await self._held(prompts, params)
+            ended = True
+        finally:
+            if not ended:
+                self.dropped.put(rows)
+        yield self._samples(prompts, params)
+
+
+@pytest.fixture
+def held() -> Iterator[SimpleNamespace]:
+    """A Held backend served over a socket, with a client holding the API key and one holding
+    the run's rollout key; whatever it holds is let through at the end."""
+    backend = Held()
+    app = FastAPI()
+    add_openai_routes(app, backend, scoped_guard(TOKEN))
+    rollout_key = derive(TOKEN)["rollout"]
+    with served_in_thread(app) as url, ThreadPoolExecutor(4) as pool:
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"})
+        runs = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {rollout_key}"})
+        try:
+            yield SimpleNamespace(backend=backend, api=api, rollout=runs, pool=pool)
+        finally:
+            backend.through.set()
+            api.close()
+            runs.close()
+
+
+def rows(client: httpx.Client, prompts: int, n: int) -> httpx.Response:
+    """A completions request of `prompts` prompts x `n` rows."""
+    body = {"prompt": ["ab"] * prompts, "n": n, "max_tokens": 2}
+    return client.post("/v1/completions", json=body, timeout=WAIT_S)
+
+
+def test_an_api_key_past_its_rows_gets_429_and_the_runs_rollouts_are_not_counted(
+    held: SimpleNamespace,
+) -> None:
+    """inference.api_rows_per_key=8 (the backend's): an API key holding 6 rows is refused 3
+    more (429, Retry-After), on either route, and given 2; a request of 9 rows could never
+    fit (400); the run's rollout key is served past the bound meanwhile; answered requests
+    give their rows back."""
+    backend, api, pool = held.backend, held.api, held.pool
+    six = pool.submit(rows, api, 2, 3)
+    assert backend.taken.get(timeout=WAIT_S) == 6
+    refused = rows(api, 1, 3)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert "6 rows" in error["message"] and "api_rows_per_key=8" in error["message"], error
+    assert error["code"] == "rate_limit_exceeded"
+    chat = {"messages": [{"role": "user", "content": "a"}], "n": 3}
+    assert api.post("/v1/chat/completions", json=chat).status_code == 429
+    too_many = rows(api, 3, 3)
+    assert too_many.status_code == 400 and "9 rows" in too_many.json()["error"]["message"]
+    two = pool.submit(rows, api, 1, 2)
+    assert backend.taken.get(timeout=WAIT_S) == 2
+    assert rows(api, 1, 1).status_code == 429  # 8 of 8 held
+    runs = pool.submit(rows, held.rollout, 4, 4)  # 16 rows, the run's own: not counted
+    assert backend.taken.get(timeout=WAIT_S) == 16
+    backend.through.set()
+    assert [f.result().status_code for f in (six, two, runs)] == [200] * 3
+    assert rows(api, 2, 4).status_code == 200  # all 8 rows given back
+
+
+def test_a_dropped_stream_gives_its_rows_back(held: SimpleNamespace) -> None:
+    backend, api = held.backend, held.api
+    body = {"prompt": "ab", "n": 8, "max_tokens": 2, "stream": True}
+    with api.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()  # kept: an iterator let go closes the connection
+        assert next(lines).startswith("data: ")
+        assert backend.taken.get(timeout=WAIT_S) == 8
+        assert rows(api, 1, 1).status_code == 429  # held while it streams
+    assert backend.dropped.get(timeout=WAIT_S) == 8  # its client went: dropped
+    backend.through.set()
+    for _ in range(WAIT_S * 10):  # its rows come back as it is dropped
+        if (again := rows(api, 1, 8)).status_code != 429:
+            break
+        time.sleep(0.1)
+    assert again.status_code == 200, again.text

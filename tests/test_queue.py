@@ -20,10 +20,18 @@ from rl.core.rundir import RunDir
 from rl.core.runtime import wait_for_address
 from rl.queue.shards import micro_batches, partition
 from tests.support.runs import TOKEN as RL_TESTING_TOKEN
-from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
+from tests.support.runs import (
+    compose_run,
+    declare_run_state,
+    start_role,
+    stop_role,
+    write_run_dir,
+)
 
 TOKEN = "queue-test-token"
 GROUPS_PER_STEP = 3
+NEWEST = 3
+"""The newest policy version the queue's run has published (`declare_run_state`)."""
 
 
 def group(version: int, lengths: tuple[int, ...] = (3, 5), reward: float = 0.5) -> dict:
@@ -59,6 +67,7 @@ def queue(tmp_path: Path) -> Iterator[SimpleNamespace]:
         "queue.max_request_mb=1",
     )
     run_dir = write_run_dir(tmp_path / "run", cfg, TOKEN)
+    declare_run_state(run_dir, NEWEST)
     q = start(run_dir)
     q.run_dir = run_dir
     yield q
@@ -245,6 +254,7 @@ def mutated_bodies(draw: st.DrawFn) -> tuple[bytes, str]:
 def shared_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     cfg = compose_run("queue.capacity=100000")
     run_dir = write_run_dir(tmp_path_factory.mktemp("fuzz"), cfg, TOKEN)
+    declare_run_state(run_dir, NEWEST)
     q = start(run_dir)
     yield q
     stop_role(q.proc)
@@ -453,7 +463,7 @@ def test_many_producers_and_ranks_lose_and_repeat_nothing(tmp_path: Path) -> Non
         [(n, make_push(n, shape, rng)) for n in range(p, steps, producers)]
         for p in range(producers)
     ]
-    proc, url = start_loaded_queue(tmp_path, shape, steps * shape.prompts)
+    proc, url = start_loaded_queue(tmp_path, shape, steps * shape.prompts, producers)
     try:
         load = run_load(url, bodies, ranks, steps, timeout_s=120)
         with httpx.Client(base_url=url, auth=token_auth(RL_TESTING_TOKEN)) as client:
@@ -516,3 +526,83 @@ def test_the_trainer_checks_its_batch_against_the_run() -> None:
     long = Sample([1] * 10, [3] * 7, [-1.0] * 7, 0.0, 0.0, 0, 0)
     with pytest.raises(RecordError, match="17 tokens, above the run's served length 16"):
         limits.check(long, "s")
+    # And to the score bounds the orchestrator declared: group_mean over rewards in [0, 1],
+    # with a length penalty of 0.5 on samples of up to 16 of 8 tokens, spreads them by 2.
+    from rl.core.records import ScoreBounds
+    from rl.orchestrator.loop import score_bounds
+
+    cfg = compose_run("algorithm.length_penalty=0.5", "environment.max_tokens=8")
+    bounds = score_bounds(cfg, (0.0, 1.0), max_len=16)
+    assert bounds == ScoreBounds((0.0, 1.0), 2.0)
+    zscore = compose_run("algorithm.advantage=zscore", "environment.group_size=4")
+    assert score_bounds(zscore, (0.0, 1.0), 16).advantage == 1.5  # (n - 1) / sqrt(n)
+    # Each estimator keeps within its bound, extreme groups included (one reward apart).
+    import random
+
+    from rl.orchestrator.advantages import ADVANTAGES, advantage_bound
+
+    draw = random.Random(0)
+    for name, estimator in ADVANTAGES.items():
+        for n in (2, 3, 8):
+            bound = advantage_bound(name, 1.0, n)
+            groups = [[draw.random() for _ in range(n)] for _ in range(200)]
+            groups += [[1.0] + [0.0] * (n - 1), [0.0] + [1.0] * (n - 1)]
+            top = max(abs(a) for rewards in groups for a in estimator(rewards))
+            assert top <= bound * (1 + 1e-9), (name, n, top, bound)
+    scored = RunLimits(vocab_size=64, max_len=16, scores=bounds)
+    scored.check(Sample([1, 2], [3], [-1.0], 1.0, -2.0, 0, 0), "at the bound")
+    for reward, advantage, message in [(0.0, 1e300, r"advantage 1e\+300"), (-0.1, 0.0, "reward")]:
+        with pytest.raises(RecordError, match=message):
+            scored.check(Sample([1, 2], [3], [-1.0], reward, advantage, 0, 0), "s")
+
+
+def test_pushes_wait_for_the_orchestrator_to_declare_the_score_bounds(tmp_path: Path) -> None:
+    """Before the orchestrator declared the run's score bounds the queue takes nothing (503,
+    to be tried again); then it takes what fits them."""
+    from fastapi.testclient import TestClient
+
+    from rl.core.records import RunLimits
+    from rl.queue.app import create_app
+    from rl.queue.store import Store
+
+    run = RunDir(tmp_path)
+    run.internal.mkdir(parents=True)
+    app = create_app(Store(tmp_path / "q.sqlite"), TOKEN, 1, 2, 10, 2**20,
+                     RunLimits(64, 128), run)  # fmt: skip
+    client = TestClient(app, headers=token_auth(TOKEN).header("/push"))
+    early = client.post("/push", json={"groups": [group(0)]})
+    assert early.status_code == 503 and "retry-after" in early.headers
+    declare_run_state(tmp_path, newest_version=0)
+    assert client.post("/push", json={"groups": [group(0)]}).status_code == 200
+
+
+def test_a_push_the_schedule_did_not_ask_for_is_refused(queue: Any) -> None:
+    """With the push key: a batch numbered past the next one, a group from a version the
+    trainer has not published (10**6 ahead, or 2**63-1), a reward outside the environment's
+    range or an advantage beyond its estimator's bound is a 422 naming the bound, and nothing
+    moves: the real batch is then stored, not dropped as a duplicate of the forged one."""
+    ahead = queue.client.post("/push", params={"batch": 3}, json={"groups": [group(0)]})
+    assert ahead.status_code == 422, ahead.text
+    assert "a push numbers at most batch 1 (queue.batches_ahead=1" in ahead.json()["detail"]
+    far, reward, advantage = group(NEWEST + 10**6), group(0, reward=1.5), group(0)
+    top = group(2**63 - 1)
+    advantage["samples"][0]["advantage"] = 1e300
+    for body, message in [
+        (far, f"policy version {NEWEST + 10**6}, newer than the newest the trainer published (3)"),
+        (top, f"policy version {2**63 - 1}, newer"),
+        (reward, "reward 1.5 is outside the environment's reward range [0, 1]"),
+        (advantage, "advantage 1e+300 is beyond the bound 1"),
+    ]:
+        refused = push(queue, body)
+        assert refused.status_code == 422 and message in refused.json()["detail"], refused.text
+    stats = queue.client.get("/stats").json()
+    assert stats["next_batch"] == 0 and stats["depth"] == 0 and stats["rejected_bad"] == 5
+    for step in (0, 1):
+        real = queue.client.post(
+            "/push", params={"batch": step}, json={"groups": [group(0)] * GROUPS_PER_STEP}
+        )
+        assert real.status_code == 200 and "duplicate" not in real.json(), real.text
+    # Once the trainer publishes a newer version, groups from it are taken.
+    RunDir(queue.run_dir).record_broadcast(NEWEST + 1)
+    assert push(queue, group(NEWEST + 1)).status_code == 200
+    assert [batch(queue, step).status_code for step in (0, 1)] == [200, 200]

@@ -22,6 +22,7 @@ from rl.core.model import (
     publish_weights,
 )
 from rl.core.rundir import COMPLETE, RunDir
+from rl.weights.published import RefusedWeights, published_dir
 from rl.weights.sync import (
     CorruptUpdate,
     TensorSpec,
@@ -230,3 +231,22 @@ def test_pruning_keeps_version_0_and_the_newest(tmp_path: Path) -> None:
     run_dir.prune_versions(keep=3)
     assert run_dir.published_versions() == [0, 5, 6, 8]
     assert run_dir.weights_for(9).exists()
+
+
+def test_only_versions_the_trainer_recorded_are_published(tmp_path: Path) -> None:
+    """A complete `step_N` the trainer did not record (a stray, or planted) is neither the
+    newest version, nor loaded, nor counted when pruning: it is reported and left alone."""
+    run_dir = RunDir(tmp_path)
+    for version in (0, 2, 4, 5, 777000):
+        run_dir.weights_for(version).mkdir(parents=True)
+        (run_dir.weights_for(version) / COMPLETE).touch()
+        if version != 777000:
+            run_dir.record_published(version)
+    assert run_dir.published_versions() == [0, 2, 4, 5]
+    assert run_dir.newest_version() == 5
+    assert run_dir.prune_versions(keep=2) == [run_dir.weights_for(777000)]
+    assert run_dir.published_versions() == [0, 4, 5]
+    assert run_dir.weights_for(777000).exists() and not run_dir.weights_for(2).exists()
+    assert "version 777000 is not published" in str(
+        pytest.raises(RefusedWeights, published_dir, run_dir.root, 777000).value
+    )

@@ -597,6 +597,15 @@ class InferenceConfig:
     GPUs, embedded on CPU."""
     max_batch_size: int = bounded(512, ge=1)
     """Most sequences the embedded engine decodes together."""
+    api_rows_per_key: int = bounded(512, ge=1)
+    """Most rows (prompts x n) one API key may have queued or decoding on a server at once: a
+    request past it is answered 429 with Retry-After, one larger than it alone 400. The run's
+    own rollouts (the orchestrator's key) are not counted (rl/inference/openai_api.py)."""
+    api_share: float = bounded(0.25, gt=0, le=1)
+    """Most share of the embedded engine's time API clients' requests take while the run
+    generates: after each of their steps the engine rests, running only the run's rollouts,
+    (1 - share) / share times as long (rl/inference/engine.py); 1: no rest. On CPU the
+    trainer and the orchestrator need the cores API clients would take. vLLM schedules itself."""
     vllm_python: str | None = None
     """Python interpreter with vLLM installed (vLLM pins its own torch, so it often lives in
     a separate environment); None uses the interpreter running Relay."""
@@ -635,6 +644,10 @@ class QueueConfig:
     """Most groups waiting to be trained; a full queue answers 429 and producers wait."""
     max_request_mb: int = bounded(64, ge=1)
     """Largest request body accepted."""
+    batches_ahead: int = bounded(1, ge=1)
+    """How far past the next batch a push may number its batch: the orchestrator pushes its
+    batches in order, so one; a push further ahead is refused (422), never stored to make
+    the real batch a duplicate. Producers pushing concurrently need one each."""
     port: int = bounded(0, ge=0, le=MAX_PORT, text=f"must be 0 (any free) to {MAX_PORT}")
     """Port to listen on; 0 picks a free one and records it in the run directory."""
 

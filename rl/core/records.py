@@ -109,17 +109,67 @@ def _top(ids: Any) -> int:
 
 
 @dataclass(frozen=True)
+class ScoreBounds:
+    """The rewards and advantages this run's samples can hold: the environment's reward range
+    (`reward`, each end possibly infinite), and the largest advantage magnitude the run's
+    estimator gives rewards in that range, length penalty included (rl/orchestrator/
+    advantages.py's `advantage_bound`). The orchestrator declares them when it starts
+    (`RunDir.write_scores`); a sample outside them was not scored by this run."""
+
+    reward: tuple[float, float]
+    advantage: float
+
+    TOLERANCE = 1e-6
+    """Relative slack over the bounds, for the rounding of the estimators' sums."""
+
+    def check(self, sample: Sample, where: str) -> None:
+        low, high = self.reward
+        slack = self.TOLERANCE * max(1.0, abs(low) if math.isfinite(low) else 0.0,
+                                     abs(high) if math.isfinite(high) else 0.0)  # fmt: skip
+        if not low - slack <= sample.reward <= high + slack:
+            raise RecordError(
+                f"{where}.reward {sample.reward:g} is outside the environment's reward range "
+                f"[{low:g}, {high:g}]"
+            )
+        if abs(sample.advantage) > self.advantage * (1 + self.TOLERANCE) + self.TOLERANCE:
+            raise RecordError(
+                f"{where}.advantage {sample.advantage:g} is beyond the bound {self.advantage:g} "
+                "that the run's advantage estimator gives its reward range"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reward": list(self.reward), "advantage": self.advantage}
+
+    @staticmethod
+    def parse(raw: Any) -> ScoreBounds:
+        """From `to_dict`'s form (JSON, where infinities are Infinity); RecordError if not."""
+        try:
+            low, high = (float(x) for x in raw["reward"])
+            advantage = float(raw["advantage"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise RecordError(f"score bounds unreadable: {exc!r}") from None
+        if math.isnan(low) or math.isnan(high) or not low <= high or not advantage >= 0:
+            raise RecordError(f"score bounds unreadable: {raw!r}")
+        return ScoreBounds((low, high), advantage)
+
+
+@dataclass(frozen=True)
 class RunLimits:
-    """What a sample must fit in this run: token ids inside the model's vocabulary, and no more
-    tokens than the served length. The queue checks every pushed sample against them and the
-    trainer every sample of its batch: a sample that does not fit would fail the trainer's
-    embedding lookup (or its memory) at every try."""
+    """What a sample must fit in this run: token ids inside the model's vocabulary, no more
+    tokens than the served length, and (once the orchestrator declared them) a reward and an
+    advantage within the run's `ScoreBounds`. The queue checks every pushed sample against them
+    and the trainer every sample of its batch: a sample that does not fit would fail the
+    trainer's embedding lookup (or its memory) at every try, or weigh its loss beyond anything
+    the run's rewards can."""
 
     vocab_size: int
     max_len: int
+    scores: ScoreBounds | None = None
 
     def check(self, sample: Sample, where: str) -> None:
         """RecordError naming `where` if `sample` does not fit."""
+        if self.scores is not None:
+            self.scores.check(sample, where)
         if sample.tokens > self.max_len:
             raise RecordError(
                 f"{where}: {sample.tokens} tokens, above the run's served length {self.max_len}"

@@ -13,6 +13,8 @@ reads; what the processes keep for each other lives in `.relay/`:
     rollouts/samples.jsonl samples kept for inspection
     weights/step_N/        published policy versions (HF layout, SHA256SUMS of its files, then
                            COMPLETE written last)
+    weights/PUBLISHED      the versions the trainer published and keeps: only these are loaded
+                           or pruned (any other step_N there is a stray, warned of and left)
     weights/BROADCAST      the newest version every server confirmed (broadcast transport)
     weights/BROADCAST_NEXT the update the trainer is sending: version and weight group
     checkpoints/step_N/    DCP checkpoints (COMPLETE last); checkpoints/reference/
@@ -32,6 +34,8 @@ reads; what the processes keep for each other lives in `.relay/`:
         queue.sqlite       the rollout queue's store (and its -wal file)
         queue.marks.json   the store's high-water marks, to detect a store that lost commits
         carried/after_N.json  the groups with signal batch N drew beyond its own, for batch N + 1
+        scores.json        the rewards and advantages the run's samples can hold, declared by
+                           the orchestrator as it starts (the queue and trainer check them)
         control/           the supervisor's checkpoint request and the trainer's answer
         kv/, replicas/     prefill/decode hand-over files; nodes of a spanning vLLM replica
         jobs.json, failure.json, complete, done/<role>, ended/   Slurm runs
@@ -67,6 +71,7 @@ from rl.core.disk import writing
 COMPLETE = "COMPLETE"
 BROADCAST = "BROADCAST"
 BROADCAST_NEXT = "BROADCAST_NEXT"
+PUBLISHED = "PUBLISHED"
 CONFIG = "config.yaml"
 PLAN = "plan.json"
 METRICS = "metrics.jsonl"
@@ -489,6 +494,22 @@ class RunDir:
     def queue_marks(self) -> Path:
         return self.internal / "queue.marks.json"
 
+    @property
+    def scores(self) -> Path:
+        return self.internal / "scores.json"
+
+    def write_scores(self, bounds: dict[str, Any]) -> None:
+        write_atomic(self.scores, json.dumps(bounds))
+
+    def read_scores(self) -> dict[str, Any] | None:
+        """What `write_scores` wrote (None: nothing yet)."""
+        try:
+            return json.loads(self.scores.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}  # unreadable: refused where it is parsed
+
     def carried(self, batch: int) -> Path:
         """The groups batch `batch` drew beyond its own, carried into the next batch."""
         return self.internal / "carried" / f"after_{batch}.json"
@@ -503,28 +524,91 @@ class RunDir:
         """Where policy `version` is published (HF layout)."""
         return self.weights / f"{STEP_PREFIX}{version}"
 
+    @property
+    def published_record(self) -> Path:
+        return self.weights / PUBLISHED
+
+    def recorded_versions(self) -> list[int] | None:
+        """The versions the trainer recorded as published and kept, ascending (None: no record,
+        a run from before the trainer kept one)."""
+        try:
+            record = json.loads(self.published_record.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return []  # half a record is none: nothing loads until the trainer writes it again
+        if not isinstance(record, list):
+            return []
+        return sorted({v for v in record if isinstance(v, int) and not isinstance(v, bool)})
+
     def published_versions(self) -> list[int]:
-        """The versions with complete published weights, ascending."""
-        return step_versions(self.weights)
+        """The versions with complete published weights that the trainer recorded, ascending
+        (every complete `step_N`, for a run from before the record)."""
+        recorded = self.recorded_versions()
+        if recorded is None:
+            return step_versions(self.weights)
+        return [v for v in recorded if is_complete(self.weights_for(v))]
 
     def newest_version(self) -> int:
         """The highest complete published version, or -1. Polled while inference waits for
         weights: it checks the highest numbers first, not every kept version."""
-        if not self.weights.is_dir():
-            return -1
-        steps = (n for n in os.listdir(self.weights) if n.startswith(STEP_PREFIX))
-        numbers = (n.removeprefix(STEP_PREFIX) for n in steps)
-        for version in sorted((int(n) for n in numbers if n.isdigit()), reverse=True):
+        recorded = self.recorded_versions()
+        if recorded is None:
+            if not self.weights.is_dir():
+                return -1
+            steps = (n for n in os.listdir(self.weights) if n.startswith(STEP_PREFIX))
+            numbers = (n.removeprefix(STEP_PREFIX) for n in steps)
+            recorded = sorted(int(n) for n in numbers if n.isdigit())
+        for version in reversed(recorded):
             if is_complete(self.weights_for(version)):
                 return version
         return -1
 
-    def prune_versions(self, keep: int) -> None:
-        """Delete all but the newest `keep` published versions; version 0 (the weights RL
-        starts from) stays."""
+    def start_record(self) -> None:
+        """Start the record of published versions, as the trainer starts (before it publishes
+        anything, so nothing it did not write gets in): empty for a new run, the complete
+        versions there for a run from before the record."""
+        if self.recorded_versions() is None:
+            self.weights.mkdir(parents=True, exist_ok=True)
+            self._write_record(step_versions(self.weights))
+
+    def record_published(self, version: int) -> None:
+        """Record `version` (complete in `weights/`) as published: the trainer's alone to
+        call, after `start_record`."""
+        self._write_record(sorted({*(self.recorded_versions() or []), version}))
+
+    def _write_record(self, versions: list[int]) -> None:
+        write_atomic(self.published_record, json.dumps(versions), durable=True)
+
+    def stray_versions(self) -> list[Path]:
+        """`step_N` directories in `weights/` the trainer did not record: never loaded, never
+        pruned (empty without a record)."""
+        recorded = self.recorded_versions()
+        if recorded is None or not self.weights.is_dir():
+            return []
+        kept = {self.weights_for(v).name for v in recorded}
+        return sorted(
+            path
+            for path in self.weights.glob(f"{STEP_PREFIX}*")
+            if path.name.removeprefix(STEP_PREFIX).isdigit() and path.name not in kept
+        )
+
+    def prune_versions(self, keep: int) -> list[Path]:
+        """Delete all but the newest `keep` published versions (version 0, the weights RL
+        starts from, stays), and return the stray directories left alone."""
         found = [v for v in self.published_versions() if v > 0]
-        for version in found[: max(len(found) - keep, 0)]:
+        gone = found[: max(len(found) - keep, 0)]
+        recorded = self.recorded_versions()
+        if gone and recorded is not None:  # out of the record first: never recorded but gone
+            self._write_record([v for v in recorded if v not in gone])
+        for version in gone:
             shutil.rmtree(self.weights_for(version), ignore_errors=True)
+        return self.stray_versions()
+
+    def newest_policy(self) -> int:
+        """The newest version the trainer published, on disk or by broadcast (-1: none): no
+        sample can come from a newer one."""
+        return max(self.newest_version(), self.broadcast_version())
 
     def record_broadcast(self, version: int) -> None:
         """Record that every inference server holds `version` (broadcast transport)."""

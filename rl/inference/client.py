@@ -147,6 +147,15 @@ class InferenceClient:
                 return True
             except httpx.TransportError:
                 return False
+            except httpx.HTTPStatusError as err:
+                if err.response.status_code != 400:
+                    raise
+                # Its copy of the version the others hold is refused now (changed on disk):
+                # it serves what it has until the next version loads.
+                self.stale[i] = True
+                self.log.warning("%s is back but refused version %d: %s", server.name,
+                                 self.version, err)  # fmt: skip
+                return True
 
     def call(self, i: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST to server i, or to another one while i is down; waits (bounded) when none
@@ -205,7 +214,8 @@ class InferenceClient:
                 self.servers[i].name, done[0].min_version, self.version,
             )  # fmt: skip
             self.stale[i] = True
-            self._revive(i)
+            if self._revive(i) and self.stale[i]:  # it refused the version: as sampled, then
+                return done
         raise RuntimeError(
             f"{self.servers[i].name} kept answering with another version than {self.version}"
         )
@@ -263,9 +273,16 @@ class InferenceClient:
                     self.version = held
                     self.stale[:i] = [True] * i  # any that took it go back to `held`
                     raise RefusedVersion(str(err)) from None
-        if all(self.stale) and not any(self._revive(i) for i in range(len(self.servers))):
+        took = (self._revive(i) and not self.stale[i] for i in range(len(self.servers)))
+        if all(self.stale) and not any(took):
             # No server took the weights: wait for one, so that batches keep their version.
-            self.call(0, "/admin/load_weights", self._load_body(path, version))
+            try:
+                self.call(0, "/admin/load_weights", self._load_body(path, version))
+            except httpx.HTTPStatusError as err:
+                if err.response.status_code != 400:
+                    raise
+                self.version = held
+                raise RefusedVersion(str(err)) from None
             self.stale[0] = False
 
     def _load_body(self, path: Path, version: int) -> dict[str, Any]:

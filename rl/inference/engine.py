@@ -12,9 +12,15 @@ batch decodes until its last row ends: a request waits for the batches of the re
 it, never for later ones, and one request (at most max_batch_size rows of at most the context
 length) holds the engine for at most one batch. The run's own rollouts (sent with the
 orchestrator's key, rl/core/auth.py) are queued ahead of API clients' waiting requests, though
-never ahead of a weight load or sleep queued before them: API clients delay the run's
-rollouts by the batch already running, at most. A request whose client went away is dropped:
-queued, it never runs; decoding, its rows leave the batch at the next step.
+never ahead of a weight load or sleep queued before them; and a batch of API clients' requests
+alone pauses between its steps while the rollouts at the head of the queue run, as a batch of
+their own, on the same weights (the engine then holds both batches' memory). API clients delay
+the run's rollouts by one decoding step, at most. While the run generates, API clients' batches
+also take at most `inference.api_share` of the engine's time (`ApiShare`): on CPU the trainer,
+the orchestrator and the server's own HTTP handling need the cores they leave. Each API key has
+a bounded share of the queue too (`inference.api_rows_per_key`, rl/inference/openai_api.py).
+A request whose client went away is dropped: queued, it never runs; decoding, its rows leave
+the batch at the next step.
 
 Asleep (colocated placement: the trainer's turn), the weights' memory is given back: on GPU
 they move to host memory; on CPU they are freed, and read again on waking from where they came
@@ -25,6 +31,7 @@ meanwhile; a weight load wakes the engine on the weights it loads.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from collections import deque
@@ -41,21 +48,26 @@ from rl.inference.adapters import Adapter, Adapters
 from rl.inference.generation import NO_LIMITS, Limits, StepSink, generate
 from rl.inference.openai_api import ASLEEP, Deltas
 from rl.weights.lora import read_adapter
-from rl.weights.published import RefusedWeights, check_finite, read_checkpoint
+from rl.weights.published import RefusedWeights, check_finite, private_copy, read_checkpoint
 from rl.weights.sync import WeightReceiver
 
 
-def load_state_dict_in_place(model: Any, path: Path) -> None:
+def load_state_dict_in_place(model: Any, path: Path, recorded: bool = True) -> None:
     """Copy an HF checkpoint's safetensors into `model`; read and checked whole first (readable,
-    finite, matching the model), so a refused checkpoint leaves no half-loaded model."""
-    state = read_checkpoint(path)
+    finite, matching the model; `recorded`: a published version, its files as the trainer
+    recorded them), so a refused checkpoint leaves no half-loaded model."""
+    state = read_checkpoint(path, recorded)
     if not state.keys() <= model.state_dict().keys():
         # Saved in the published layout, which transformers converts on load (MoE experts are
-        # stored one tensor per expert and held stacked): read it through that conversion.
+        # stored one tensor per expert and held stacked): read it through that conversion,
+        # from a checked copy of a published version.
         from transformers import AutoModelForCausalLM
 
-        converted = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype)
-        state = converted.state_dict()
+        with tempfile.TemporaryDirectory(prefix="relay-weights-") as tmp:
+            source = private_copy(path, Path(tmp) / "copy") if recorded else path
+            converted = AutoModelForCausalLM.from_pretrained(source, dtype=model.dtype)
+            load_state_in_place(model, converted.state_dict(), f"checkpoint {path}")
+        return
     load_state_in_place(model, state, f"checkpoint {path}")
 
 
@@ -73,6 +85,31 @@ def load_state_in_place(model: Any, state: dict[str, Any], source: str) -> None:
             f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
         )
     model.load_state_dict(state, strict=False)
+
+
+RUN_GENERATES_S = 10.0
+"""How recently a rollout must have come for the run to count as generating (`ApiShare`)."""
+
+
+@dataclass
+class ApiShare:
+    """The engine time API clients' batches may take while the run generates (a rollout came
+    within RUN_GENERATES_S): after API work of t seconds the engine rests t x (1 - share) /
+    share seconds before more, running the run's rollouts meanwhile. Times are
+    `time.monotonic()` seconds, given by the caller."""
+
+    share: float
+    rest_until: float = 0.0
+    rollout_at: float = -RUN_GENERATES_S
+    """When the last rollout came."""
+
+    def worked(self, seconds: float, now: float) -> None:
+        """API clients' batches have just run for `seconds`: owe the rest that follows."""
+        if now - self.rollout_at < RUN_GENERATES_S:
+            self.rest_until = now + seconds * (1 - self.share) / self.share
+
+    def rest_left(self, now: float) -> float:
+        return max(0.0, self.rest_until - now)
 
 
 def _overtaken(queued: Any) -> bool:
@@ -171,6 +208,7 @@ class Engine:
 
         self.model, self.tokenizer, self.logger = model, tokenizer, logger
         self.model_name, self.max_batch_size = cfg.model.name, cfg.inference.max_batch_size
+        self.api_rows_per_key = cfg.inference.api_rows_per_key  # the API routes' bound
         # Ids the model can embed (it may sample ones the tokenizer does not name, and a
         # multi-turn episode sends them back as its next prompt).
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -181,6 +219,7 @@ class Engine:
         # Where the served full weights can be read again (None: received by broadcast), and
         # while asleep on CPU, each freed parameter's shape.
         self.weights_from = weights_from
+        self.base = weights_from  # the model's own checkpoint: not a published version
         self._freed: list[tuple[Any, Any]] = []
         # Counted on the engine thread (read by /health): sampled tokens, and requests dropped
         # because their client went away (queued, or decoding).
@@ -195,6 +234,8 @@ class Engine:
         self._pending: deque[CompletionJob | LoadJob | MemoryJob] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self.api_share = ApiShare(cfg.inference.api_share)
+        self._api_since = 0.0  # when API clients' batch work last started (engine thread)
         self._died = ""  # why the thread ended early; "" while it runs or after stop()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -226,34 +267,85 @@ class Engine:
                 return job.future
             at = len(self._pending)
             if isinstance(job, CompletionJob) and job.rollout:  # ahead of API clients' requests
+                self.api_share.rollout_at = time.monotonic()
                 while at and _overtaken(self._pending[at - 1]):
                     at -= 1
             self._pending.insert(at, job)
             self._cond.notify()
         return job.future
 
+    def _take(self, rollouts_only: bool) -> list[CompletionJob]:
+        """The requests at the head of the queue, in its order, up to max_batch_size rows
+        (`rollouts_only`: the run's rollouts there, none when a weight load or sleep or an API
+        client's request comes first). Called holding the lock."""
+        batch: list[CompletionJob] = []
+        rows = 0
+        while self._pending and isinstance(head := self._pending[0], CompletionJob):
+            if (rollouts_only and not head.rollout) or (
+                batch and rows + head.rows > self.max_batch_size
+            ):
+                break
+            self._pending.popleft()
+            if head.future.set_running_or_notify_cancel():  # False: client went away
+                batch.append(head)
+                rows += head.rows
+            else:
+                self.requests_dropped += 1
+        return batch
+
+    def _between_api_steps(self) -> bool:
+        """Between two steps of a batch of API clients' requests alone: the rest its work owes
+        (`ApiShare`), in which the rollouts queued at the head of the queue run, on the same
+        weights (at once, rest or not); whether any ran."""
+        now = time.monotonic()
+        self.api_share.worked(now - self._api_since, now)
+        ran = False
+        while batch := self._rollouts_or_rest():
+            try:
+                self._serve(batch)
+            except BaseException as exc:  # the thread dies (_loop): these are not left waiting
+                _fail(batch, EngineStopped(f"the engine thread died: {exc!r}"))
+                raise
+            ran = True
+        self._api_since = time.monotonic()
+        return ran
+
+    def _rollouts_or_rest(self) -> list[CompletionJob]:
+        """The rollouts at the head of the queue, waiting for some while API clients' batches
+        rest; none once the rest is over."""
+        with self._cond:
+            while not (batch := self._take(rollouts_only=True)) and self._resting():
+                self._cond.wait(self._rest_wait())
+            return batch
+
+    def _resting(self) -> bool:
+        """Whether API clients' batches wait (`ApiShare`): not while the engine stops, nor while
+        a weight load or sleep is queued (it waits for them). Called holding the lock."""
+        if self._stopping or any(isinstance(job, LoadJob | MemoryJob) for job in self._pending):
+            return False
+        return self.api_share.rest_left(time.monotonic()) > 0
+
+    def _rest_wait(self) -> float:
+        """How long to wait, resting, before looking again (new work wakes the engine
+        sooner); at most a second, so that any share's rest stays a wait the lock allows."""
+        return min(self.api_share.rest_left(time.monotonic()), 1.0)
+
     def _next_work(self) -> list[CompletionJob] | LoadJob | None:
         """A weight load alone, or the queued requests up to max_batch_size rows (in queue
-        order: arrival order, the run's rollouts ahead of API clients')."""
+        order: arrival order, the run's rollouts ahead of API clients'; API clients' not while
+        they rest)."""
         with self._cond:
-            while not self._pending and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return None
-            if isinstance(self._pending[0], LoadJob | MemoryJob):
-                return self._pending.popleft()  # type: ignore[return-value]
-            batch: list[CompletionJob] = []
-            rows = 0
-            while self._pending and isinstance(head := self._pending[0], CompletionJob):
-                if batch and rows + head.rows > self.max_batch_size:
-                    break
-                self._pending.popleft()
-                if head.future.set_running_or_notify_cancel():  # False: client went away
-                    batch.append(head)
-                    rows += head.rows
-                else:
-                    self.requests_dropped += 1
-            return batch
+            while True:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return None
+                if isinstance(self._pending[0], LoadJob | MemoryJob):
+                    return self._pending.popleft()  # type: ignore[return-value]
+                resting = self._resting()
+                if (batch := self._take(rollouts_only=resting)) or not resting:
+                    return batch
+                self._cond.wait(self._rest_wait())
 
     def _loop(self) -> None:
         jobs: list[CompletionJob | LoadJob] = []
@@ -332,7 +424,7 @@ class Engine:
                 param.data = torch.empty(shape, dtype=param.dtype)
             if source is not None:
                 try:
-                    load_state_dict_in_place(self.model, source)
+                    load_state_dict_in_place(self.model, source, source != self.base)
                 except BaseException:
                     for param, _ in self._freed:
                         param.data = torch.empty(0, dtype=param.dtype)
@@ -441,10 +533,18 @@ class Engine:
         start = time.perf_counter()
         on_step = _stream_to(jobs) if any(job.sink for job in jobs) else None
         route = self.adapters.route if self.adapters else None
+        # A batch of API clients' requests alone lets the run's rollouts go between its steps,
+        # and keeps to its share of the engine's time.
+        api_only = not any(job.rollout for job in jobs)
+        if api_only:
+            self._api_since = time.monotonic()
         samples = generate(
             self.model, self.tokenizer, prompts, caps, temps, gens, limits, on_step, names, route,
-            _withdrawn(jobs),
+            _withdrawn(jobs), self._between_api_steps if api_only else None,
         )  # fmt: skip
+        if api_only:
+            now = time.monotonic()
+            self.api_share.worked(now - self._api_since, now)
         tokens = sum(len(s.token_ids) for s in samples)
         self.tokens_decoded += tokens
         seconds = time.perf_counter() - start

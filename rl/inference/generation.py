@@ -119,6 +119,7 @@ def generate(
     adapters: Sequence[str] | None = None,
     route: Callable[[list[str]], None] | None = None,
     withdrawn: Callable[[], list[int]] | None = None,
+    between: Callable[[], bool] | None = None,
 ) -> list[Sample]:
     """Decode every prompt in one left-padded batch with a KV cache; per-row limits and RNGs.
 
@@ -129,7 +130,10 @@ def generate(
     none), and `route(names)` tells the model the names of the rows of each forward pass (rows
     with the same prompt but different adapters do not share a prompt pass). `withdrawn()`,
     asked after every step, names rows whose request was withdrawn (its client went away):
-    they end there ("length") and leave the batch before the next forward pass.
+    they end there ("length") and leave the batch before the next forward pass. `between()`,
+    asked before every step's forward pass, may run other work on the model meanwhile (the
+    batch's state is its own); True when it did, and the rows' adapters are routed again.
+    Rows withdrawn meanwhile take that step, and end after it.
     """
     import torch
 
@@ -144,6 +148,8 @@ def generate(
             if bool(state.done.all()):
                 return rows.samples(state)
             leave_finished(rows, state, route, now=ended)
+            if between is not None and between() and route is not None:
+                route([rows.names[r] for r in state.live.tolist()])  # after the others' passes
             feed_back(model, state)
 
 

@@ -16,8 +16,20 @@ server-sent events, so the official `openai` client sees the same API from both.
   unless it is sent at its no-op default. So are a number field sent as Infinity or NaN, and
   text that is not whole Unicode characters anywhere in a request (a lone surrogate such as
   "\\ud800", which JSON can spell but UTF-8 cannot encode): each names its field.
+- Refusals cost little. A text longer than the served length could ever hold is refused (400,
+  naming the bound) before it is tokenized or templated: by its UTF-8 bytes against the context
+  length times the most bytes one token stands for (`prompt_byte_limit`); a chat counts its
+  messages' contents, its tool calls and its tools' strings. Token-id prompts are measured as
+  they are.
+- Each API key may have `inference.api_rows_per_key` rows (prompts x n) queued or decoding at
+  once (`KeyShares`): a request past it is refused (429, Retry-After) before it is tokenized.
+  The run's own rollouts (rl/core/auth.py) are not counted; the embedded engine also serves
+  them first, between the steps of API clients' batches, and keeps those to
+  `inference.api_share` of its time while the run generates (rl/inference/engine.py).
+- A streamed response writes each decoding step's events at once, whatever `n`.
 - A request whose client disconnects (or times out) is cancelled, streamed or not: the backend
-  drops it (the embedded engine its rows, vLLM its sequences) instead of decoding for nobody.
+  drops it (the embedded engine its rows, vLLM its sequences) instead of decoding for nobody,
+  and its key's share is given back.
 - A sleeping server (colocated placement, while the trainer runs) refuses completions: 503.
 - Relay's extensions ride on every choice: `prompt_token_ids` and `token_ids` (the exact
   tokens; the trainer's inputs), and on the response `policy_version` (and
@@ -30,10 +42,12 @@ server-sent events, so the official `openai` client sees the same API from both.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
@@ -41,6 +55,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from rl.core.chat import CALL_OPEN, ChatTemplate, parse_turn
@@ -103,6 +118,9 @@ class Backend(Protocol):
     asleep: bool
     """Whether the server sleeps (colocated placement: the trainer's turn): completions are
     then refused (503) before anything is queued."""
+    rows_per_key: int | None
+    """Most rows (prompts x n) one API key may have queued or decoding at once
+    (`inference.api_rows_per_key`; None: no bound); the run's rollouts are not counted."""
 
     def served(self) -> list[str]:
         """The names requests may ask for: the model's, then any adapter's."""
@@ -118,8 +136,15 @@ class Backend(Protocol):
 class APIError(HTTPException):
     """An error answered in OpenAI's shape; `param` names the offending field."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
-        super().__init__(status, message)
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str = "",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(status, message, headers)
         self.param, self.code = param, code or None
 
 
@@ -137,7 +162,9 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Any, exc: HTTPException) -> JSONResponse:
         param, code = getattr(exc, "param", None), getattr(exc, "code", None)
-        return error_body(exc.status_code, str(exc.detail), param, code)
+        response = error_body(exc.status_code, str(exc.detail), param, code)
+        response.headers.update(exc.headers or {})  # a 429's Retry-After
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
@@ -303,6 +330,161 @@ def check_supported(body: _Request) -> None:
         )
 
 
+def most_token_bytes(tokenizer: Any) -> int:
+    """The most bytes of text one token of `tokenizer` can stand for: the longest, in UTF-8,
+    of its vocabulary's strings and of its tokens each decoded alone, special tokens included
+    (a prompt's text may spell them). A vocabulary string never holds fewer bytes than the text
+    it matches in byte-level BPE (a byte is one character of one or two bytes), SentencePiece
+    ("▁" is three bytes for a space, "<0x0A>" six for one byte) or a character vocabulary;
+    decoding covers a vocabulary whose strings are not text. The bound assumes what those
+    tokenizers do: each character of a prompt ends up in some token, none is dropped."""
+    ids = list(range(len(tokenizer)))
+    spelled = tokenizer.convert_ids_to_tokens(ids)
+    decoded = tokenizer.batch_decode(
+        [[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    return max(len(text.encode()) for text in (*spelled, *decoded) if text)
+
+
+def prompt_byte_limit(backend: Backend) -> int:
+    """The most UTF-8 bytes of text a prompt the backend serves can hold: its context length
+    times the most bytes one token stands for. A longer text never fits, whatever it says."""
+    return backend.max_len * most_token_bytes(backend.tokenizer)
+
+
+def check_text_bytes(sizes: list[tuple[str, int]], limit: int, backend: Backend) -> None:
+    """Refuse (400, naming the bound) a text that cannot fit, before anything tokenizes it;
+    `sizes`: where each text is, and its UTF-8 bytes."""
+    for where, size in sizes:
+        if size > limit:
+            raise APIError(
+                400,
+                f"{where}: {size} bytes of text, more than the context length of "
+                f"{backend.max_len} tokens can hold (at most {limit} bytes with this tokenizer); "
+                "send a shorter text",
+                where.split("[")[0],
+                "context_length_exceeded",
+            )
+
+
+def prompt_bytes(prompt: Any) -> list[tuple[str, int]]:
+    """Where each text among a completions request's prompts is, and its UTF-8 bytes
+    (token-id prompts are measured in tokens, once they are checked)."""
+    if isinstance(prompt, str):
+        return [("prompt", len(prompt.encode()))]
+    return [(f"prompt[{i}]", len(p.encode())) for i, p in enumerate(prompt) if isinstance(p, str)]
+
+
+def chat_bytes(body: ChatRequest) -> list[tuple[str, int]]:
+    """The UTF-8 bytes a chat's prompt holds at the least: its messages' contents (text parts
+    included) and the names and arguments of their tool calls, and, when offered, every string
+    of its tools (templates write calls and tools out whole, tools as JSON)."""
+    size = 0
+    for message in body.messages:
+        if not isinstance(message, dict):
+            continue
+        content, calls = message.get("content"), message.get("tool_calls")
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, dict) else part
+            size += len(text.encode()) if isinstance(text, str) else 0
+        for call in calls if isinstance(calls, list) else []:
+            size += sum(len(s.encode()) for s in _strings(_function(call)))
+    tools = body.tools if body.tool_choice != "none" else None
+    return [("messages", size + sum(len(s.encode()) for s in _strings(tools)))]
+
+
+def _function(call: Any) -> dict[str, Any]:
+    """A tool call's name and arguments, as a template writes them ({} in any other shape)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return {}
+    return {k: function[k] for k in ("name", "arguments") if k in function}
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, object keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+class KeyShares:
+    """The rows (prompts x n) each API key has queued or decoding, at most `per_key` a key: a
+    request that would take its key past that is refused (429, with Retry-After) before it is
+    tokenized, so that no client holds more than its share of the server, and a flood of
+    requests costs a refusal each. The run's own rollouts (the rollout scope's key) are never
+    counted (the routes do not ask): they are the run. A request gives its rows back when it
+    is answered, refused or dropped (its client gone)."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, per_key: int | None) -> None:
+        self.per_key = per_key
+        self.held: dict[str, int] = {}
+        """Rows held, by key (the request's Authorization header); only keys holding some."""
+
+    def take(self, request: Request, rows: int) -> Callable[[], None]:
+        """Count `rows` against the request's key (APIError when they do not fit); the function
+        that gives them back, once however often it is called."""
+        if self.per_key is None:
+            return _nothing
+        if rows > self.per_key:
+            raise APIError(
+                400,
+                f"{rows} rows (prompts x n) in one request, more than an API key may have "
+                f"queued (inference.api_rows_per_key={self.per_key}); send fewer prompts or a "
+                "smaller n",
+                "n",
+            )
+        key = request.headers.get("authorization", "")
+        held = self.held.get(key, 0)
+        if held + rows > self.per_key:
+            raise APIError(
+                429,
+                f"this API key has {held} rows (prompts x n) queued or decoding; {rows} more "
+                f"would pass inference.api_rows_per_key={self.per_key}: retry once some are "
+                "answered",
+                None,
+                "rate_limit_exceeded",
+                {"Retry-After": str(self.RETRY_AFTER_S)},
+            )
+        self.held[key] = held + rows
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                if (left := self.held[key] - rows) > 0:
+                    self.held[key] = left
+                else:
+                    del self.held[key]
+
+        return give_back
+
+
+def _nothing() -> None:
+    pass
+
+
+def _rollout(request: Request) -> bool:
+    """Whether the request comes with the run's rollout key (the orchestrator's)."""
+    return getattr(request.state, "scope", None) == "rollout"
+
+
+def request_rows(prompt: Any, n: int) -> int:
+    """The rows (prompts x n) a completions request asks for, counted without tokenizing."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return n  # one prompt
+    return len(prompt) * n
+
+
 def prompt_ids(tokenizer: Any, prompt: Any) -> list[list[int]]:
     """The request's prompts as token-id lists; text is encoded as `encode_prompt` does."""
     if isinstance(prompt, str):
@@ -453,23 +635,30 @@ class Endpoint:
         return {**head, "choices": choices, "usage": usage(ids, result.samples)}
 
     async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:
-        """The streamed response as server-sent events, ending with `data: [DONE]`."""
+        """The streamed response as server-sent events, ending with `data: [DONE]`: each
+        decoding step's events written at once (one write for all its choices, not one each:
+        n=512 would cost 512 writes a step, and as many after the client has gone)."""
         streams = [TextStream(self.tokenizer, self.stop, self.held_back) for _ in ids * params.n]
         head = _head(self.chunk_kind, self.model, -1)
-        async for item in self.backend.stream(ids, params):
-            if isinstance(item, Result):
-                head["policy_version"] = item.version
-                for k, sample in enumerate(item.samples):
-                    tail = streams[k].finish(sample)
-                    yield _sse(
-                        {**head, "choices": [self.last_chunk(k, ids[k // params.n], sample, tail)]}
-                    )
-                if self.body.stream_options and self.body.stream_options.include_usage:
-                    yield _sse({**head, "choices": [], "usage": usage(ids, item.samples)})
-                break
-            for k, new in item:
-                if delta := streams[k].feed(new):
-                    yield _sse({**head, "choices": [self.chunk(k, delta)]})
+        # Closed here even when the client leaves at a yield: the backend drops the request.
+        async with aclosing(self.backend.stream(ids, params)) as stream:
+            async for item in stream:
+                if isinstance(item, Result):
+                    head["policy_version"] = item.version
+                    events = []
+                    for k, sample in enumerate(item.samples):
+                        tail = streams[k].finish(sample)
+                        last = self.last_chunk(k, ids[k // params.n], sample, tail)
+                        events.append(_sse({**head, "choices": [last]}))
+                    if self.body.stream_options and self.body.stream_options.include_usage:
+                        events.append(
+                            _sse({**head, "choices": [], "usage": usage(ids, item.samples)})
+                        )
+                    yield "".join(events)
+                    break
+                deltas = [(k, delta) for k, new in item if (delta := streams[k].feed(new))]
+                if deltas:
+                    yield "".join(_sse({**head, "choices": [self.chunk(k, d)]}) for k, d in deltas)
         yield "data: [DONE]\n\n"
 
     def chunk(self, index: int, text: str) -> dict[str, Any]:
@@ -589,11 +778,14 @@ class ChatCompletions(Endpoint):
 
     async def events(self, ids: list[list[int]], params: Params) -> AsyncIterator[str]:
         head = _head(self.chunk_kind, self.model, -1)
-        for k in range(len(ids) * params.n):
-            delta = {"role": "assistant", "content": ""}
-            yield _sse({**head, "choices": [{"index": k, "delta": delta, "finish_reason": None}]})
-        async for event in super().events(ids, params):
-            yield event
+        delta = {"role": "assistant", "content": ""}
+        yield "".join(
+            _sse({**head, "choices": [{"index": k, "delta": delta, "finish_reason": None}]})
+            for k in range(len(ids) * params.n)
+        )
+        async with aclosing(super().events(ids, params)) as events:
+            async for event in events:
+                yield event
 
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -680,6 +872,46 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def admit(
+    backend: Backend,
+    shares: KeyShares,
+    request: Request,
+    rows: int,
+    serve: Callable[[], Awaitable[Any]],
+) -> Any:
+    """`serve()`'s response, its `rows` held against the request's key until it is
+    answered, refused, or its client goes (a stream's: until the stream ends)."""
+    if backend.asleep:
+        raise APIError(503, ASLEEP)
+    if _rollout(request):  # the run's own: not counted
+        return await serve()
+    give_back = shares.take(request, rows)
+    try:
+        response = await serve()
+    except BaseException:
+        give_back()
+        raise
+    if not isinstance(response, StreamingResponse):
+        give_back()
+        return response
+    events = response.body_iterator
+
+    async def held() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:  # ended, failed, or left at a yield by a client that went away
+            try:
+                await events.aclose()  # type: ignore[attr-defined]  # the backend drops it
+            finally:
+                give_back()
+
+    response.body_iterator = held()
+    # Run once the stream ends or its client goes (Starlette then stops iterating it).
+    response.background = BackgroundTask(response.body_iterator.aclose)
+    return response
+
+
 def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> None:
     """/v1/models, /v1/completions and /v1/chat/completions over `backend`."""
     install_errors(app)
@@ -694,36 +926,50 @@ def add_openai_routes(app: FastAPI, backend: Backend, authorized: Callable) -> N
         ]  # fmt: skip
         return {"object": "list", "data": data}
 
+    shares = KeyShares(backend.rows_per_key)
+    text_limit = prompt_byte_limit(backend)
+
+    admitted = functools.partial(admit, backend, shares)
+
     async def answer(
         request: Request, endpoint: Endpoint, ids: list[list[int]], max_tokens: int, top: int
     ) -> Any:
         body = endpoint.body
-        if backend.asleep:
-            raise APIError(503, ASLEEP)
         check_prompts(ids, body.n, max_tokens, backend, getattr(body, "seeds", None))
-        params = endpoint.params(max_tokens, top)
-        if getattr(request.state, "scope", None) == "rollout":
-            params = replace(params, rollout=True)
+        params = replace(endpoint.params(max_tokens, top), rollout=_rollout(request))
         if body.stream:  # the response stops iterating the stream when the client goes
             return StreamingResponse(endpoint.events(ids, params), media_type="text/event-stream")
-        return endpoint.response(ids, await unless_gone(request, backend.generate(ids, params)))
+        result = await unless_gone(request, backend.generate(ids, params))
+        # Serialized here, by json.dumps: FastAPI's encoder takes ten times as long (20 ms for
+        # a step's rollouts), and the answer is ready once this returns.
+        return JSONResponse(endpoint.response(ids, result))
 
     @app.post("/v1/completions", dependencies=guard)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_text(body)
         served_model(body, backend)
         check_supported(body)
-        # Off the event loop: a long text takes a while to tokenize, and /health must answer.
-        ids = await asyncio.to_thread(prompt_ids, backend.tokenizer, body.prompt)
-        endpoint = Completions(backend, body)
-        return await answer(request, endpoint, ids, body.max_tokens, body.logprobs or 0)
+        check_text_bytes(prompt_bytes(body.prompt), text_limit, backend)
+
+        async def serve() -> Any:
+            # Off the event loop: a long text takes a while to tokenize, and /health must answer.
+            ids = await asyncio.to_thread(prompt_ids, backend.tokenizer, body.prompt)
+            endpoint = Completions(backend, body)
+            return await answer(request, endpoint, ids, body.max_tokens, body.logprobs or 0)
+
+        return await admitted(request, request_rows(body.prompt, body.n), serve)
 
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat(body: ChatRequest, request: Request) -> Any:
         check_text(body)
         served_model(body, backend)
         check_supported(body)
-        ids = [await asyncio.to_thread(chat_prompt, backend.tokenizer, body)]
-        limit = body.max_completion_tokens or body.max_tokens or backend.max_len - len(ids[0])
-        top = (body.top_logprobs or 0) if body.logprobs else 0
-        return await answer(request, ChatCompletions(backend, body), ids, max(limit, 1), top)
+        check_text_bytes(chat_bytes(body), text_limit, backend)
+
+        async def serve() -> Any:
+            ids = [await asyncio.to_thread(chat_prompt, backend.tokenizer, body)]
+            limit = body.max_completion_tokens or body.max_tokens or backend.max_len - len(ids[0])
+            top = (body.top_logprobs or 0) if body.logprobs else 0
+            return await answer(request, ChatCompletions(backend, body), ids, max(limit, 1), top)
+
+        return await admitted(request, body.n, serve)

@@ -54,6 +54,7 @@ class EngineBackend:
         self.engine, self.max_len = engine, max_len
         self.model_name, self.tokenizer = engine.model_name, engine.tokenizer
         self.max_rows, self.vocab_size = engine.max_batch_size, engine.vocab_size
+        self.rows_per_key = engine.api_rows_per_key
 
     @property
     def asleep(self) -> bool:

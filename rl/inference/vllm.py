@@ -28,9 +28,11 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -53,7 +55,13 @@ from rl.core.runtime import die_with_parent, listen_socket, server_host, write_a
 from rl.inference.client import sampled
 from rl.inference.generation import Sample
 from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
-from rl.weights.published import RefusedWeights, check_checkpoint, loading_from, published_dir
+from rl.weights.published import (
+    RefusedWeights,
+    check_checkpoint,
+    loading_from,
+    private_copy,
+    published_dir,
+)
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec
 
@@ -262,6 +270,12 @@ class VllmFrontend:
         self.base_points: dict[str, int] = {}
         self.version = -1
         self.weights: tuple[Path, int] | None = None  # last loaded from disk, and its version
+        # Private copies of what vLLM loaded from disk (`_private_copy`), removed at exit: on
+        # this node, or for a replica spanning nodes, where all its workers read (the run
+        # directory's shared filesystem).
+        where = replica.dir if replica else None
+        self.private = Path(tempfile.mkdtemp(prefix="relay-vllm-weights-", dir=where))
+        self.copies = 0
         # LoRA adapters vLLM serves, by the name requests ask for (the run's own policy under
         # the model's name): their directory and version, to load again after a restart.
         self.adapters: dict[str, tuple[Path, int]] = {}
@@ -414,21 +428,46 @@ class VllmFrontend:
     async def _load_weights(self, path: Path, version: int, name: str) -> dict[str, Any]:
         await self.ready.wait()  # a restart holds the lock until vLLM is back
         async with self.swap:
-            await asyncio.to_thread(check_checkpoint, path)
-            if self.asleep:  # a load wakes the server, as the embedded engine's does
-                await self._wake()
-            if is_adapter_dir(path):
-                return await self._load_adapter(path, version, name)
-            if self.shared and version == 0 and name != self.model_name:
-                # A sweep point's version 0 is the base vLLM holds (the sweep starts every
-                # point from it): the point is served, its adapter to come.
-                self.base_points[name] = version
-                return {"policy_version": version, "load_s": 0.0}
-            if name != self.model_name:
-                raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
-            result = await self._swap_weights(path, version)
-            self.adapters.pop(name, None)
-            return result
+            try:
+                copy = await asyncio.to_thread(self._private_copy, path, version, name)
+                return await self._load_copy(copy, version, name)
+            finally:
+                self._drop_copies()
+
+    def _drop_copies(self) -> None:
+        """Remove the private copies nothing is served from (any more)."""
+        served = {path for path, _ in self.adapters.values()}
+        served |= {self.weights[0]} if self.weights else set()
+        for copy in self.private.iterdir():
+            if copy not in served:
+                shutil.rmtree(copy, ignore_errors=True)
+
+    def _private_copy(self, path: Path, version: int, name: str) -> Path:
+        """A checked copy of published `path` that only this server reads (vLLM reads the
+        files itself, after the check: a file rewritten in between would be loaded, or kill
+        vLLM's memory map with SIGBUS), kept while it is served, to load again after a
+        restart."""
+        self.copies += 1
+        into = self.private / f"{self.copies}-{name}-step_{version}"
+        copy = private_copy(path, into)
+        check_checkpoint(copy)
+        return copy
+
+    async def _load_copy(self, path: Path, version: int, name: str) -> dict[str, Any]:
+        if self.asleep:  # a load wakes the server, as the embedded engine's does
+            await self._wake()
+        if is_adapter_dir(path):
+            return await self._load_adapter(path, version, name)
+        if self.shared and version == 0 and name != self.model_name:
+            # A sweep point's version 0 is the base vLLM holds (the sweep starts every
+            # point from it): the point is served, its adapter to come.
+            self.base_points[name] = version
+            return {"policy_version": version, "load_s": 0.0}
+        if name != self.model_name:
+            raise RefusedWeights(f"{path} holds full weights, not an adapter for {name!r}")
+        result = await self._swap_weights(path, version)
+        self.adapters.pop(name, None)
+        return result
 
     async def _load_adapter(self, path: Path, version: int, name: str) -> dict[str, Any]:
         """vLLM's runtime LoRA loading, in place of the adapter under the same name (requests
@@ -582,10 +621,13 @@ class VllmBackend:
     goes to vLLM's completions endpoint as token ids, asking for the token ids and logprobs back
     (ids, not strings, for the alternatives too), so both backends answer from the same tokens."""
 
-    def __init__(self, front: VllmFrontend, max_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, front: VllmFrontend, max_len: int, vocab_size: int, rows_per_key: int | None
+    ) -> None:
         self.front, self.max_len, self.vocab_size = front, max_len, vocab_size
         self.model_name, self.tokenizer = front.model_name, front.tokenizer
         self.max_rows = None  # vLLM schedules any number itself
+        self.rows_per_key = rows_per_key  # inference.api_rows_per_key
 
     def served(self) -> list[str]:
         named = sorted({*self.front.adapters, *self.front.base_points} - {self.model_name})
@@ -816,7 +858,9 @@ def serve(
     front.ready.set()
     from rl.core.runtime import run_keys
 
-    openai = VllmBackend(front, max_model_len(cfg), cfg.model.vocab_size)
+    openai = VllmBackend(
+        front, max_model_len(cfg), cfg.model.vocab_size, cfg.inference.api_rows_per_key
+    )
     app = build_app(front, run_keys(run_dir), run_dir, openai)
     sock = listen_socket(server_host(), cfg.inference.port)
     port = sock.getsockname()[1]
@@ -837,3 +881,4 @@ def serve(
         server.run(sockets=[sock])
     finally:
         vllm.stop()  # reached on errors; on SIGTERM the shutdown hook above has done it
+        shutil.rmtree(front.private, ignore_errors=True)

@@ -34,3 +34,15 @@ ADVANTAGES: dict[str, Callable[[list[float]], list[float]]] = {
     "zscore": zscore,
     "rloo": rloo,
 }
+
+
+def advantage_bound(name: str, spread: float, group_size: int) -> float:
+    """The largest advantage magnitude estimator `name` gives a group of `group_size` rewards
+    that lie within `spread` of each other: the mean of a group (or of the others) lies among
+    its rewards, so `group_mean` and `rloo` stay within `spread`; a z-score with the sample
+    standard deviation within (n - 1) / sqrt(n) whatever the rewards (Samuelson's bound)."""
+    if name == "zscore":
+        return (group_size - 1) / math.sqrt(group_size)
+    if name not in ADVANTAGES:
+        raise ValueError(f"no advantage estimator {name!r}")
+    return spread

@@ -29,7 +29,7 @@ from rl.core.config import Placement, RunConfig
 from rl.core.derive import exact_schedule, generating_version, max_model_len
 from rl.core.kinds import is_eval, is_rollout
 from rl.core.model import ensure_checkpoint, load_tokenizer
-from rl.core.records import Episode, EvalRecord, Group
+from rl.core.records import Episode, EvalRecord, Group, ScoreBounds
 from rl.core.rundir import RunDir, drop_records, point_name, shared_service, write_atomic
 from rl.core.runtime import (
     Peer,
@@ -41,7 +41,7 @@ from rl.core.runtime import (
 from rl.core.seeds import prompt_seeds
 from rl.envs import Environment, Example, make_environment
 from rl.inference.client import InferenceClient
-from rl.orchestrator.advantages import ADVANTAGES
+from rl.orchestrator.advantages import ADVANTAGES, advantage_bound
 from rl.orchestrator.episodes import run_episodes
 from rl.orchestrator.scoring import no_signal, rollout_record, score_group
 from rl.weights.factory import make_waiter
@@ -51,6 +51,18 @@ MAX_FILL_ROUNDS = 4  # sampling rounds to replace zero-advantage groups before k
 # times a batch), so that few batches need a further round: each is a sequential decode.
 MAX_OVERSAMPLE = 2.0
 SIGNAL_SHARE_DECAY = 0.8  # weight of the past in the running share of groups with signal
+
+
+def score_bounds(cfg: RunConfig, reward_range: tuple[float, float], max_len: int) -> ScoreBounds:
+    """What this run's samples can hold: the environment's rewards, and the advantages its
+    estimator gives them once the length penalty (at most `length_penalty x max_len /
+    max_tokens` off a reward) has spread them further."""
+    low, high = reward_range
+    algo = cfg.algorithm
+    shaping = abs(algo.length_penalty) * max_len / cfg.environment.max_tokens
+    spread = high - low + shaping
+    bound = advantage_bound(str(algo.advantage), spread, cfg.environment.group_size)
+    return ScoreBounds((float(low), float(high)), bound)
 
 
 @dataclass
@@ -126,6 +138,7 @@ class Orchestrator:
             self.tokenizer = load_tokenizer(ensure_checkpoint(cfg.model))
             self.env.use_tokenizer(self.tokenizer)  # for environments with a chat template
         self.max_len = max_model_len(cfg)
+        self.run_dir.write_scores(score_bounds(cfg, self.env.reward_range, self.max_len).to_dict())
         self.signal_share: float | None = None  # share of first-round groups with signal
         self.carry: list[Group] = []  # the last batch's surplus groups with signal
 

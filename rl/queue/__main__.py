@@ -53,6 +53,8 @@ def main() -> None:
         capacity=cfg.queue.capacity,
         max_request_bytes=cfg.queue.max_request_mb * 2**20,
         limits=RunLimits(cfg.model.vocab_size, max_model_len(cfg)),
+        run=run_dir,
+        batches_ahead=cfg.queue.batches_ahead,
     )
     sock = listen_socket(server_host(), cfg.queue.port)
     host, port = sock.getsockname()

@@ -7,7 +7,11 @@ trainer rank long-polls `/batch` for its token-balanced shard of step N, packed 
 micro-batches (rl/queue/shards.py); `/stats` reports depth and counts. Every route but /health
 needs its key (rl/core/auth.py): the orchestrator's push key, the trainer's pull key. A pushed
 sample must fit the run (`RunLimits`: token ids in the vocabulary, no longer than the served
-length), or the push is refused whole.
+length, a reward in the environment's range and an advantage within its estimator's bound),
+come from a policy version the trainer has published, and a push may number its batch at most
+`queue.batches_ahead` past the next: anything else is refused whole (422, naming the bound),
+so that nothing the schedule did not ask for is stored, nor turns the real batch into a
+duplicate.
 
 Handlers are async; anything that touches SQLite or walks a batch (sharding, packing, encoding)
 runs in a worker thread, so one large request never stalls the others.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import numpy as np
@@ -27,7 +31,8 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from rl.core import wire
 from rl.core.auth import scoped_guard
 from rl.core.config import DEFAULT_MICRO_BATCH_TOKENS
-from rl.core.records import INT64_MAX, Group, RecordError, RunLimits
+from rl.core.records import INT64_MAX, Group, RecordError, RunLimits, ScoreBounds
+from rl.core.rundir import RunDir
 from rl.queue.shards import micro_batches
 from rl.queue.store import Refused, Store
 
@@ -92,6 +97,13 @@ class Queue:
     capacity: int
     max_request_bytes: int
     limits: RunLimits | None = None
+    run: RunDir | None = None
+    """The run whose published versions and declared score bounds a push must fit (None:
+    only `limits`)."""
+    newest: int = -1
+    """The newest policy version the trainer published, as last read from `run`."""
+    batches_ahead: int = 1
+    """How far past the next batch a push may number its own."""
     counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("accepted", "served", "rejected_full", "rejected_bad"), 0
@@ -103,14 +115,17 @@ class Queue:
 
 def create_app(store: Store, keys: Any, groups_per_step: int, max_off_policy: int,
                capacity: int, max_request_bytes: int,
-               limits: RunLimits | None = None) -> FastAPI:  # fmt: skip
+               limits: RunLimits | None = None, run: RunDir | None = None,
+               batches_ahead: int = 1) -> FastAPI:  # fmt: skip
     """The queue's HTTP routes over `store`; every route but /health needs its scope's key of
-    `keys` (a mapping, or the run's token); pushed samples must fit `limits`."""
+    `keys` (a mapping, or the run's token); pushed samples must fit `limits`, and with `run`,
+    its published versions and the score bounds its orchestrator declared."""
     # The OpenAPI description is served behind a key like every route but /health.
     app = FastAPI(
         title="Relay rollout queue", version="1", openapi_url=None, docs_url=None, redoc_url=None
     )
-    queue = Queue(store, groups_per_step, max_off_policy, capacity, max_request_bytes, limits)
+    queue = Queue(store, groups_per_step, max_off_policy, capacity, max_request_bytes, limits,
+                  run, batches_ahead=batches_ahead)  # fmt: skip
     guard = [Depends(scoped_guard(keys))]
     add_health(app)
     add_push(app, queue, guard)
@@ -139,21 +154,67 @@ def add_push(app: FastAPI, queue: Queue, guard: list[Any]) -> None:
         body = await _read_limited(request, queue.max_request_bytes)
         content_type = request.headers.get("content-type", "")
         try:
-            groups, stored = await asyncio.to_thread(
-                _parse_groups, body, content_type, queue.limits
-            )
+            limits = _run_limits(queue)
+            groups, stored = await asyncio.to_thread(_parse_groups, body, content_type, limits)
+            _check_versions(queue, groups)
         except HTTPException:
             queue.counts["rejected_bad"] += 1
             raise
-        ids = await asyncio.to_thread(queue.store.push, groups, batch, queue.capacity, stored)
+        ids = await asyncio.to_thread(
+            queue.store.push, groups, batch, queue.capacity, stored, queue.batches_ahead
+        )
         if ids is Refused.full:
             queue.counts["rejected_full"] += 1
             return Response(status_code=429, headers={"Retry-After": str(wire.RETRY_AFTER_S)})
+        if ids is Refused.ahead:
+            queue.counts["rejected_bad"] += 1
+            allowed = queue.store.next_batch() + queue.batches_ahead
+            raise HTTPException(
+                422,
+                f"batch {batch} is ahead of the schedule: a push numbers at most batch {allowed} "
+                f"(queue.batches_ahead={queue.batches_ahead} past the next)",
+            )
         if ids is Refused.duplicate:
             return Response(json.dumps({"ids": [], "duplicate": True}), media_type=JSON)
         queue.counts["accepted"] += len(groups)
         queue.arrived.set()
         return Response(json.dumps({"ids": ids}), media_type=JSON)
+
+
+def _run_limits(queue: Queue) -> RunLimits | None:
+    """The limits a push must fit: with a run, its score bounds too, once the orchestrator has
+    declared them (before that nothing is taken: 503, to be tried again)."""
+    if queue.run is None or queue.limits is None:
+        return queue.limits
+    if queue.limits.scores is None:
+        raw = queue.run.read_scores()
+        if raw is None:
+            raise HTTPException(
+                503,
+                "the orchestrator has not declared the run's score bounds yet",
+                headers={"Retry-After": str(wire.RETRY_AFTER_S)},
+            )
+        try:
+            queue.limits = replace(queue.limits, scores=ScoreBounds.parse(raw))
+        except RecordError as err:
+            raise HTTPException(503, f"{queue.run.scores}: {err}") from None
+    return queue.limits
+
+
+def _check_versions(queue: Queue, groups: list[Group]) -> None:
+    """422 for a group generated by a version newer than the newest the trainer published
+    (re-read only when a group claims one newer than last seen)."""
+    if queue.run is None:
+        return
+    claimed = max(g.max_version for g in groups)
+    if claimed > queue.newest:
+        queue.newest = queue.run.newest_policy()
+    if claimed > queue.newest:
+        raise HTTPException(
+            422,
+            f"a group claims policy version {claimed}, newer than the newest the trainer "
+            f"published ({queue.newest})",
+        )
 
 
 def add_batch(app: FastAPI, queue: Queue, guard: list[Any]) -> None:

@@ -70,6 +70,9 @@ class Refused(Enum):
     """The batch number was pushed before (a retry whose answer was lost)."""
     full = "full"
     """The groups would take the queue past its capacity."""
+    ahead = "ahead"
+    """The batch number is further past the next batch than the queue allows: not one the
+    schedule sends yet (stored, it would make the real one a duplicate)."""
 
 
 class StoreLost(RuntimeError):
@@ -222,9 +225,11 @@ class Store:
         batch: int | None = None,
         capacity: int | None = None,
         body: bytes | None = None,
+        ahead: int | None = None,
     ) -> list[int] | Refused:
         """Store groups in one transaction (one fsync) and return their ids; or store nothing
-        and say why: `batch` was pushed before, or the ready groups would exceed `capacity`.
+        and say why: `batch` was pushed before, is more than `ahead` past the next batch, or
+        the ready groups would exceed `capacity`.
         `body` is the groups already encoded (`stored_body`), if the caller has them."""
         body = body or wire.encode([g.to_dict() for g in groups])
         first = 0
@@ -233,6 +238,8 @@ class Store:
                 if batch is not None:
                     if db.execute("SELECT 1 FROM pushes WHERE batch=?", (batch,)).fetchone():
                         return Refused.duplicate
+                    if ahead is not None and batch > self.marks.next_batch + ahead:
+                        return Refused.ahead
                 if capacity is not None and self.ready + len(groups) > capacity:
                     return Refused.full
                 push = db.execute("INSERT INTO pushes (batch, body) VALUES (?,?)", (batch, body))

@@ -34,7 +34,7 @@ from rl.core.kinds import is_train
 from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import targets as lora_targets
 from rl.core.model import empty_model, ensure_checkpoint, load_tokenizer
-from rl.core.records import BatchShard, RunLimits, Sample, TrainRecord, WarmupRecord
+from rl.core.records import BatchShard, RunLimits, Sample, ScoreBounds, TrainRecord, WarmupRecord
 from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete
 from rl.core.runtime import (
     CHECKPOINT_ON_TERM_ENV,
@@ -175,7 +175,7 @@ class Trainer:
         """The weights a LoRA run's adapter sits on: its published version 0 when it resumes
         from a checkpoint (the warm-up trained them), else the model's."""
         step_0 = self.run_dir.weights_for(0)
-        if self.run_dir.latest_checkpoint() is not None and is_complete(step_0):
+        if self.run_dir.latest_checkpoint() is not None and 0 in self.run_dir.published_versions():
             return step_0
         return self.base
 
@@ -240,7 +240,7 @@ class Trainer:
             if response.status_code == 200:
                 groups, meta = wire.decode(response.content)
                 shard = BatchShard.from_wire(meta, groups[0]["samples"])
-                limits = RunLimits(self.cfg.model.vocab_size, max_model_len(self.cfg))
+                limits = self.run_limits()
                 for i, sample in enumerate(shard.samples):
                     limits.check(sample, f"batch {step}, rank {self.rank}'s sample {i}")
                 return shard
@@ -255,6 +255,13 @@ class Trainer:
                     f"{self.cfg.timeouts.batch_s:g} s (timeouts.batch_s); is the orchestrator "
                     "generating?"
                 )
+
+    def run_limits(self) -> RunLimits:
+        """What each sample of a batch must fit, score bounds included once the orchestrator
+        declared them (the queue refuses pushes until it has)."""
+        raw = self.run_dir.read_scores()
+        scores = None if raw is None else ScoreBounds.parse(raw)
+        return RunLimits(self.cfg.model.vocab_size, max_model_len(self.cfg), scores)
 
     def batch_totals(self, samples: list[Sample]) -> dict[str, float]:
         """Whole-batch denominators (over every rank) for the loss normalisation."""

@@ -10,16 +10,18 @@ needs none of the broadcast's torch machinery).
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rl.core.model import publish_blocks, publish_weights
-from rl.core.rundir import BROADCAST, RunDir, is_complete
+from rl.core.rundir import BROADCAST, RunDir
 from rl.weights import lora
 from rl.weights.base import BlockSource, RefusedVersion, VersionWaiter, WeightPublisher
 
+log = logging.getLogger(__name__)
 POLL_S = 0.01  # how often inference looks for a new version while it waits for one
 
 
@@ -30,9 +32,11 @@ class FilesystemPublisher(WeightPublisher):
 
     def __init__(self, run_dir: Path, keep: int, fp8_base: Path | None = None) -> None:
         self.run_dir, self.keep, self.fp8_base = RunDir(run_dir), keep, fp8_base
+        self.strays: set[Path] = set()  # warned of once each
+        self.run_dir.start_record()
 
     def wanted(self, version: int) -> bool:
-        return not is_complete(self.run_dir.weights_for(version))
+        return version not in self.run_dir.published_versions()
 
     def publish(
         self, version: int, model: Any, tokenizer: Any, state: dict[str, Any] | BlockSource | None
@@ -41,13 +45,21 @@ class FilesystemPublisher(WeightPublisher):
             return
         self.run_dir.weights.mkdir(parents=True, exist_ok=True)
         target = self.run_dir.weights_for(version)
+        # Not recorded: a trainer stopped between writing and recording it, or not this run's.
+        shutil.rmtree(target, ignore_errors=True)
         if lora.is_wrapped(model):
             lora.publish(version, model, tokenizer, state, self.run_dir)
         elif isinstance(state, BlockSource):
             publish_blocks(model, tokenizer, target, state, fp8_base=self.fp8_base)
         else:
             publish_weights(model, tokenizer, target, state_dict=state, fp8_base=self.fp8_base)
-        self.run_dir.prune_versions(self.keep)
+        self.run_dir.record_published(version)
+        for stray in set(self.run_dir.prune_versions(self.keep)) - self.strays:
+            self.strays.add(stray)
+            log.warning(
+                "%s was not published by this run's trainer: ignored (never loaded, never "
+                "pruned); remove it", stray,
+            )  # fmt: skip
 
 
 class FilesystemWaiter(VersionWaiter):
@@ -65,7 +77,8 @@ class FilesystemWaiter(VersionWaiter):
         """The version loaded for a batch that needs `minimum`. A version inference refused
         (`RefusedVersion`) is logged and skipped: generation goes on with the version held
         (older by as many steps as were refused; the queue's staleness bound still applies)
-        until a later one loads."""
+        until a later one loads; with none held (a restarted orchestrator), the newest older
+        version that loads."""
         started = time.monotonic()
         newest = wait_for_version(
             self.run_dir.newest_version, minimum, self.timeout_s, self.run_dir.weights, POLL_S
@@ -73,32 +86,50 @@ class FilesystemWaiter(VersionWaiter):
         wanted = minimum if self.exact else newest
         if wanted == held or (wanted in self.refused and held >= 0):
             return held
-        if not is_complete(self.run_dir.weights_for(wanted)):
+        if wanted not in self.run_dir.published_versions():
             raise RuntimeError(
                 f"orchestrator: version {wanted} is gone from {self.run_dir.weights} (the "
                 f"newest is {newest}): trainer.keep_weights kept too few for the schedule"
             )
-        t0 = time.monotonic()
         try:
-            self.inference.load_weights(self.run_dir.weights_for(wanted), wanted)
+            return self._load(wanted, started)
         except RefusedVersion as err:
-            if held < 0:  # nothing served yet: nothing to go on with
-                raise
             self.refused.add(wanted)
+            if held >= 0:
+                going_on = f"generating with version {held} until a later one loads"
+            else:  # nothing held (a restarted orchestrator): the newest older one that loads
+                held = self._older(wanted, started)
+                going_on = f"loaded version {held} instead, until a later one loads"
             self.log.warning(
-                "version %d refused by inference, skipped: generating with version %d until a "
-                "later one loads (%s)", wanted, held, err,
-            )  # fmt: skip
+                "version %d refused by inference, skipped: %s (%s)", wanted, going_on, err
+            )
             return held
+
+    def _load(self, version: int, started: float) -> int:
+        t0 = time.monotonic()
+        self.inference.load_weights(self.run_dir.weights_for(version), version)
         seconds = time.monotonic() - t0
         self.load_s += seconds
         self.log.info(
             "loaded version %d into inference (waited %.2f s, load %.2f s)",
-            wanted,
+            version,
             t0 - started,
             seconds,
         )
-        return wanted
+        return version
+
+    def _older(self, version: int, started: float) -> int:
+        """The newest published version below `version` that inference loads."""
+        for older in reversed(self.run_dir.published_versions()):
+            if older < version and older not in self.refused:
+                try:
+                    return self._load(older, started)
+                except RefusedVersion:
+                    self.refused.add(older)
+        raise RuntimeError(
+            f"orchestrator: inference refused every published version up to {version} "
+            f"({sorted(self.refused)[-5:]}): nothing to generate with"
+        )
 
 
 class BroadcastRecordWaiter(VersionWaiter):

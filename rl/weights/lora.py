@@ -102,9 +102,16 @@ def published_tensors(version: int, model: Any, state: Any) -> dict[str, Any]:
 
 
 def read_adapter(path: Path) -> tuple[dict[str, Any], float]:
-    """An adapter directory's tensors (each checked finite) and its scale."""
-    from rl.weights.published import checked_tensors
+    """A published adapter directory's tensors (each checked finite) and its scale, from its
+    files as the trainer recorded them (rl/weights/published.py)."""
+    from rl.weights.published import RefusedWeights, tensors_of, verified_files
 
-    config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    return dict(checked_tensors(Path(path))), alpha / rank
+    files = dict(verified_files(Path(path)))
+    try:
+        config = json.loads(files[ADAPTER_CONFIG])
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    except (KeyError, ValueError, TypeError, ZeroDivisionError) as exc:
+        raise RefusedWeights(f"{path}: no readable {ADAPTER_CONFIG} ({exc!r})") from None
+    if ADAPTER_WEIGHTS not in files:
+        raise RefusedWeights(f"{path} holds no {ADAPTER_WEIGHTS}")
+    return dict(tensors_of(files[ADAPTER_WEIGHTS], Path(path) / ADAPTER_WEIGHTS)), alpha / rank

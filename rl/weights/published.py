@@ -14,11 +14,16 @@ server that came back on the newest is told to load the one the schedule wants.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rl.core.rundir import RunDir, checksum_problem, is_complete, shared_point
+from rl.core.rundir import CHECKSUMS, RunDir, shared_point
 
 
 class RefusedWeights(ValueError):
@@ -30,7 +35,9 @@ def published_dir(run_dir: Path | None, version: Any, path: Any = None) -> Path:
 
     `path`, when the caller names one, must be that same directory: `<run>/weights/step_N`,
     resolved, so that neither the step directory nor anything above it inside the run may be a
-    symbolic link elsewhere. A published version is one whose directory is complete.
+    symbolic link elsewhere. A published version is one the trainer recorded (`PUBLISHED`)
+    whose directory is complete; its files are checked against SHA256SUMS as they are read
+    (`verified_files`), not here: a file changed after a check here would be loaded unchecked.
     """
     if run_dir is None:
         raise RefusedWeights("this server has no run directory to load published weights from")
@@ -45,14 +52,12 @@ def published_dir(run_dir: Path | None, version: Any, path: Any = None) -> Path:
         raise RefusedWeights(
             f"path={path} is not version {version}'s published weights ({expected})"
         )
-    if not is_complete(real):
-        published = layout.published_versions()
+    published = layout.published_versions()
+    if version not in published:
         raise RefusedWeights(
-            f"version {version} is not published in {layout.weights} (no complete {expected.name};"
-            f" published: {published[-5:]})"
+            f"version {version} is not published in {layout.weights} (the trainer's record "
+            f"holds {published[-5:]})"
         )
-    if problem := checksum_problem(real):
-        raise RefusedWeights(problem)
     return real
 
 
@@ -85,34 +90,134 @@ def check_finite(name: str, tensor: Any, source: str) -> None:
         raise RefusedWeights(f"{source}: tensor {name} holds NaN or Inf")
 
 
-def checked_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
+def recorded_sums(folder: Path) -> dict[str, str]:
+    """The SHA-256 the trainer recorded of each file of `folder` (SHA256SUMS), by path inside
+    it; `RefusedWeights` if there is no such record, or a weights file is not in it."""
+    try:
+        sums = json.loads((folder / CHECKSUMS).read_text())
+    except (OSError, ValueError) as exc:
+        raise RefusedWeights(
+            f"{folder} has no readable {CHECKSUMS} ({type(exc).__name__}): not published whole"
+        ) from None
+    readable = isinstance(sums, dict) and all(
+        isinstance(v, str) and isinstance(k, str) and k and ".." not in Path(k).parts
+        and not Path(k).is_absolute() for k, v in sums.items()
+    )  # fmt: skip
+    if not readable:
+        raise RefusedWeights(f"{folder / CHECKSUMS} is not a record of files inside {folder}")
+    unrecorded = [p.name for p in folder.glob("*.safetensors") if p.name not in sums]
+    if unrecorded:
+        raise RefusedWeights(
+            f"{folder / unrecorded[0]} is not among the files the trainer recorded"
+        )
+    return sums
+
+
+def _open_file(path: Path) -> Any:
+    """`path` opened to read: a regular file, not through a symbolic link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise RefusedWeights(f"{path} is missing, or a symbolic link ({exc.strerror})") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise RefusedWeights(f"{path} is not a regular file")
+    return f
+
+
+def _changed(path: Path) -> RefusedWeights:
+    return RefusedWeights(
+        f"{path} does not match the SHA-256 the trainer recorded (corrupt or changed)"
+    )
+
+
+def verified_files(folder: Path) -> Iterator[tuple[str, bytes]]:
+    """Each file the trainer recorded of `folder`, read whole into memory and only then checked
+    against its SHA-256 (`RefusedWeights` where one differs): what is loaded is the bytes that
+    were checked, whatever happens to the file afterwards. (Safetensors read through a memory
+    map would take a file rewritten under it: a truncation there kills the reader with
+    SIGBUS.)"""
+    for name, expected in sorted(recorded_sums(folder).items()):
+        with _open_file(folder / name) as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise _changed(folder / name)
+        yield name, data
+
+
+def private_copy(folder: Path, into: Path) -> Path:
+    """A copy of the files the trainer recorded of `folder` in `into` (made here, this process's
+    alone), each checked against its SHA-256 as it is copied: for a server that reads the
+    files itself (vLLM), what it reads can no longer change. Nothing is left on a refusal."""
+    try:
+        for name, expected in sorted(recorded_sums(folder).items()):
+            digest = hashlib.sha256()
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with _open_file(folder / name) as source, open(target, "xb") as out:
+                while chunk := source.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != expected:
+                raise _changed(folder / name)
+    except BaseException:
+        shutil.rmtree(into, ignore_errors=True)
+        raise
+    return into
+
+
+def checked_tensors(folder: Path, recorded: bool = True) -> Iterator[tuple[str, Any]]:
     """Every tensor of the safetensors files in `folder`, by name, each checked finite as it is
-    read; a truncated, corrupt or unreadable file, or a symbolic link, is `RefusedWeights`."""
+    read; a truncated, corrupt, changed or unreadable file, or a symbolic link, is
+    `RefusedWeights`. `recorded`: a published version's files, read into memory and checked
+    against the trainer's record (`verified_files`); else files nobody rewrites (the model's
+    own checkpoint, a private copy), read through a memory map a tensor at a time."""
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise RefusedWeights(f"{folder} holds no *.safetensors files")
-    for file in files:
+    found = False
+    if recorded:
+        for name, data in verified_files(folder):
+            if "/" not in name and name.endswith(".safetensors"):
+                found = True
+                yield from tensors_of(data, folder / name)
+    for file in [] if recorded else sorted(folder.glob("*.safetensors")):
+        found = True
         if file.is_symlink():
             raise RefusedWeights(f"{file} is a symbolic link")
         try:
             with safe_open(file, "pt") as reader:
-                for name in reader.keys():
+                for name in reader.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     tensor = reader.get_tensor(name)
                     check_finite(name, tensor, str(file))
                     yield name, tensor
         except (SafetensorError, OSError) as exc:
             raise RefusedWeights(f"{file} is not a readable safetensors file: {exc}") from exc
+    if not found:
+        raise RefusedWeights(f"{folder} holds no *.safetensors files")
 
 
-def read_checkpoint(folder: Path) -> dict[str, Any]:
+def tensors_of(data: bytes, source: Path) -> Iterator[tuple[str, Any]]:
+    """The tensors of one safetensors file's bytes, each checked finite."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise RefusedWeights(f"{source} is not a readable safetensors file: {exc}") from exc
+    for key, tensor in tensors.items():
+        check_finite(key, tensor, str(source))
+        yield key, tensor
+
+
+def read_checkpoint(folder: Path, recorded: bool = True) -> dict[str, Any]:
     """All tensors of `folder`, checked (the embedded engine copies them in afterwards)."""
-    return dict(checked_tensors(folder))
+    return dict(checked_tensors(folder, recorded))
 
 
 def check_checkpoint(folder: Path) -> None:
     """Read and check every tensor of `folder`, one at a time (memory: the largest tensor), for
-    a server that loads the files itself afterwards (vLLM)."""
-    for _ in checked_tensors(folder):
+    a server that loads the files itself afterwards (vLLM: its private copy)."""
+    for _ in checked_tensors(folder, recorded=False):
         pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -112,3 +113,74 @@ class KillInTurn(threading.Thread):
                 if RunDir(self.run_dir).read_pids()[role] != killer.killed_pid:
                     break
                 time.sleep(0.05)
+
+
+class Tamper(threading.Thread):
+    """What a holder of the run directory and the push key could do to a live run, each once
+    it can: plant a complete `weights/step_777000` (a copy of version 0, checksums and all);
+    rewrite in place (the same file: truncated, then refilled) the weights of every
+    `every`-th version the trainer publishes, as soon as it is recorded; and once the trainer
+    has recorded `push_at` steps, push a group numbered three batches past the queue's next
+    and one from a version 10**6 past the newest. `pushes` holds the status of each push,
+    `rewritten` the versions rewritten."""
+
+    def __init__(self, run_dir: Path, every: int, push_at: int, timeout: float = 600.0) -> None:
+        super().__init__(daemon=True)
+        self.layout = RunDir(run_dir)
+        self.every, self.push_at, self.timeout = every, push_at, timeout
+        self.rewritten: list[int] = []
+        self.pushes: dict[str, tuple[int, str]] = {}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        seen: set[int] = set()
+        next_look = 0.0  # when to look at the trained steps next
+        while not self.stopped.is_set() and time.monotonic() < deadline:
+            published = self.layout.published_versions()
+            if 0 in published and not self.layout.weights_for(777000).exists():
+                shutil.copytree(self.layout.weights_for(0), self.layout.weights_for(777000))
+            for version in sorted(set(published) - seen):
+                seen.add(version)
+                if version and version % self.every == 0:
+                    self._rewrite(version)
+            if not self.pushes and time.monotonic() > next_look:
+                next_look = time.monotonic() + 0.5
+                steps = trained_steps(self.layout.root)
+                if steps and max(steps) >= self.push_at:
+                    self._push(max(published))
+            time.sleep(0.002)
+
+    def _rewrite(self, version: int) -> None:
+        path = self.layout.weights_for(version) / "model.safetensors"
+        try:
+            with open(path, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.truncate(0)
+                f.write(b"\0" * size)
+        except FileNotFoundError:  # pruned already
+            return
+        self.rewritten.append(version)
+
+    def _push(self, newest: int) -> None:
+        import httpx
+
+        from rl.core import wire
+        from rl.core.runtime import run_auth
+
+        url = self.layout.read_address("queue")
+        with httpx.Client(base_url=url, auth=run_auth(self.layout.root), timeout=30) as http:
+            next_batch = http.get("/stats").json()["next_batch"]
+            for name, version, batch in [
+                ("batch ahead", 0, next_batch + 3),
+                ("version ahead", newest + 10**6, None),
+            ]:
+                sample = {"prompt_ids": [1, 2], "completion_ids": [3, 4], "logprobs": [-1.0] * 2,
+                          "reward": 0.5, "advantage": 0.1, "min_version": version,
+                          "max_version": version}  # fmt: skip
+                body = wire.encode([{"samples": [sample] * 2, "min_version": version,
+                                     "max_version": version}])  # fmt: skip
+                params = {} if batch is None else {"batch": batch}
+                response = http.post("/push", params=params, content=body,
+                                     headers={"Content-Type": wire.CONTENT_TYPE})  # fmt: skip
+                self.pushes[name] = (response.status_code, response.text)

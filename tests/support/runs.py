@@ -49,6 +49,21 @@ def write_run_dir(run_dir: Path, cfg: DictConfig, token: str) -> Path:
     return run_dir
 
 
+def declare_run_state(
+    run_dir: Path, newest_version: int, reward: tuple[float, float] = (0.0, 1.0),
+    advantage: float = 1.0,
+) -> None:  # fmt: skip
+    """What the trainer and the orchestrator of a live run record, for a queue run without
+    them: the newest policy version published (as the broadcast transport records it) and
+    the score bounds a pushed sample must fit."""
+    from rl.core.records import ScoreBounds
+
+    run = RunDir(run_dir)
+    run.weights.mkdir(parents=True, exist_ok=True)
+    run.record_broadcast(newest_version)
+    run.write_scores(ScoreBounds(reward, advantage).to_dict())
+
+
 def start_role(role: str, run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
     """A role's entry point in its own process group, logging to run_dir/<role>.log."""
     with open(run_dir / f"{role}.log", "ab") as log:
