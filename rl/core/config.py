@@ -601,7 +601,7 @@ class InferenceConfig:
     """Most rows (prompts x n) one API key may have queued or decoding on a server at once: a
     request past it is answered 429 with Retry-After, one larger than it alone 400. The run's
     own rollouts (the orchestrator's key) are not counted (rl/inference/openai_api.py)."""
-    api_share: float = bounded(0.25, gt=0, le=1)
+    api_share: float = bounded(0.15, gt=0, le=1)
     """Most share of the embedded engine's time API clients' requests take while the run
     generates: after each of their steps the engine rests, running only the run's rollouts,
     (1 - share) / share times as long (rl/inference/engine.py); 1: no rest. On CPU the
