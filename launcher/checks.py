@@ -35,7 +35,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import PlanError, refuse
 from launcher.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
@@ -144,6 +144,11 @@ def check_environment(cfg: DictConfig) -> None:
             from rl.orchestrator.agents import check_config
 
             check_config(cfg.environment)
+        if cfg.environment.name == "verifiers":  # installed, or the run fails once started
+            from rl.envs.verifiers_env import check_installed, parse_args
+
+            args = OmegaConf.to_container(cfg.environment.args, resolve=True)
+            check_installed(parse_args(args).id)  # type: ignore[arg-type]
     except ValueError as err:
         raise PlanError(str(err)) from None
 

@@ -204,6 +204,11 @@ def test_local_fsdp_two_cpu_processes() -> None:
             ["inference.weight_transport=broadcast", "inference.broadcast_backend=nccl"],
             "inference.broadcast_backend=nccl: NCCL needs GPUs and cluster=local has none",
         ),
+        (  # refused by the plan, not once the run has started
+            ["environment=verifiers", "environment.args.id=no_such_env_here"],
+            "environment.args.id=no_such_env_here: no installed verifiers environment",
+        ),
+        (["environment=verifiers"], "environment.args.id: required"),
     ],
 )
 def test_plan_errors_name_the_key(overrides: list[str], message: str) -> None:

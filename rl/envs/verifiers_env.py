@@ -56,6 +56,7 @@ import threading
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from rl.envs import Environment, Example, check_args
@@ -115,23 +116,33 @@ def module_name(env_id: str) -> str:
     return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
+def check_installed(env_id: str) -> None:
+    """A ValueError that says how to install it unless `env_id` names an installed package or
+    one of verifiers' own tasksets; found without importing anything (verifiers takes seconds
+    to import), so that the plan can check it."""
+    module = module_name(env_id)
+    if importlib.util.find_spec(module):
+        return
+    verifiers = importlib.util.find_spec("verifiers")
+    for root in (verifiers.submodule_search_locations or []) if verifiers else []:
+        tasksets = Path(root) / "v1" / "tasksets"
+        if (tasksets / f"{module}.py").is_file() or (tasksets / module / "__init__.py").is_file():
+            return
+    raise ValueError(
+        f"environment.args.id={env_id}: no installed verifiers environment (Python package "
+        f"{module!r}). Install it into Relay's environment, e.g. `uv pip install -e "
+        f"path/to/{module}` or `uv pip install {module.replace('_', '-')}`, or put the "
+        "folder that holds the package on PYTHONPATH"
+    )
+
+
 def load_vf_env(env_id: str, env_args: dict[str, Any]) -> Any:
     """The verifiers `Env` for taskset `env_id` with `env_args`, or a ValueError that says what
     is wrong and how to install an environment."""
     import verifiers.v1 as vf
     from pydantic import ValidationError
 
-    module = module_name(env_id)
-    if not (
-        importlib.util.find_spec(f"verifiers.v1.tasksets.{module}")
-        or importlib.util.find_spec(module)
-    ):
-        raise ValueError(
-            f"environment.args.id={env_id}: no installed verifiers environment (Python package "
-            f"{module!r}). Install it into Relay's environment, e.g. `uv pip install -e "
-            f"path/to/{module}` or `uv pip install {module.replace('_', '-')}`, or put the "
-            "folder that holds the package on PYTHONPATH"
-        )
+    check_installed(env_id)
     try:
         config = vf.resolve_env_config({"taskset": {**env_args, "id": env_id}})
         return vf.load_environment(config)
@@ -142,8 +153,8 @@ def load_vf_env(env_id: str, env_args: dict[str, Any]) -> Any:
         raise ValueError(f"environment.args.env_args for {env_id}: {problems}") from err
     except (ImportError, AttributeError, TypeError) as err:
         raise ValueError(
-            f"environment.args.id={env_id}: {module!r} is not a loadable verifiers 0.4.0 "
-            f"environment ({type(err).__name__}: {err}); it must export its vf.Taskset "
+            f"environment.args.id={env_id}: {module_name(env_id)!r} is not a loadable verifiers "
+            f"0.4.0 environment ({type(err).__name__}: {err}); it must export its vf.Taskset "
             "subclass through __all__"
         ) from err
 
