@@ -13,8 +13,8 @@ key and the fix (launcher/plan.py calls `check_run` first):
   memory, no trainer on CUDA, and FP8 served only by vLLM (its CPU build serves FP8 block
   checkpoints; the embedded engine serves the training dtype);
 - what this machine cannot do (`check_this_machine`, for a dry run too): wandb online without
-  an API key; on cluster=local, GPUs that nvidia-smi does not find, a vLLM backend whose python
-  cannot import vLLM;
+  an API key; on cluster=local, GPUs that nvidia-smi does not find and a vLLM backend whose
+  python cannot import vLLM (a dry run plans them as declared and says so in a note);
 - an FP8 MoE whose experts, split by tensor parallelism, no longer cover whole FP8 blocks
   (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
   expert parallelism, which keeps each expert whole.
@@ -223,29 +223,39 @@ def check_cpu_fit(cfg: DictConfig) -> None:
         )
 
 
-def check_this_machine(cfg: DictConfig) -> None:
+def check_this_machine(cfg: DictConfig) -> list[str]:
     """What a cluster=local run needs of this machine (run where it is planned, so checked
-    here, dry run included): the GPUs it declares, and vLLM where it serves with vLLM."""
+    here, dry run included): the GPUs it declares, and vLLM where it serves with vLLM. A dry
+    run plans what this machine lacks as declared: returns the notes that say so."""
     from launcher.gpus import describe, detect
 
     check_wandb_login(cfg)
     if cfg.cluster.kind != ClusterKind.local:
-        return
+        return []
+    notes = []
     declared = cfg.cluster.gpus_per_node or 0
     if declared and declared > len(found := detect()):
-        raise PlanError(
+        lacking = (
             f"cluster.gpus_per_node={declared}: cluster=local runs on this machine, and "
-            f"{describe(found).split(':')[0]}; leave it unset to use what is found, or plan "
-            f"a cluster's run with cluster=slurm"
+            f"{describe(found).split(':')[0]}"
         )
+        if not cfg.dry_run:
+            raise PlanError(
+                f"{lacking}; leave it unset to use what is found, or plan a cluster's run "
+                f"with cluster=slurm"
+            )
+        notes.append(f"{lacking}: planned as declared (the run itself is refused here)")
     if inference_backend(cfg) == Backend.vllm and not cfg.inference.shared:
         python = cfg.inference.vllm_python or sys.executable
         if problem := vllm_import_problem(python):
-            raise PlanError(
-                f"inference.backend=vllm: {python} cannot import vLLM ({problem}); install "
-                f"vLLM there, name a python that has it (inference.vllm_python=...), or use "
-                f"inference.backend=embedded"
-            )
+            missing = f"inference.backend=vllm: {python} cannot import vLLM ({problem})"
+            if not cfg.dry_run:
+                raise PlanError(
+                    f"{missing}; install vLLM there, name a python that has it "
+                    f"(inference.vllm_python=...), or use inference.backend=embedded"
+                )
+            notes.append(f"{missing}: the run itself is refused here")
+    return notes
 
 
 def check_wandb_login(cfg: DictConfig) -> None:

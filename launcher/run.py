@@ -45,7 +45,7 @@ def launch(cfg: DictConfig) -> None:
         return
     try:
         run_plan = plan(cfg)
-        check_this_machine(cfg)
+        run_plan.notes += check_this_machine(cfg)
         base_pending = False  # on Slurm: built by a job this point's jobs start after
         if not cfg.dry_run and shares_a_base(cfg):  # a sweep point: warmed up once per group
             base_pending = start_from_base(cfg, Path(HydraConfig.get().sweep.dir))

@@ -228,15 +228,19 @@ def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
     from launcher.checks import check_this_machine
 
     monkeypatch.setattr(gpus, "detect", lambda: [])
-    two = compose_run(
-        "cluster.gpus_per_node=2", "cluster.gpu_memory_gb=80", "inference.backend=embedded"
-    )
+    two_args = ["cluster.gpus_per_node=2", "cluster.gpu_memory_gb=80", "inference.backend=embedded"]
+    two = compose_run(*two_args)
     with pytest.raises(PlanError, match=r"^cluster.gpus_per_node=2: cluster=local runs on this "
                        r"machine, and no GPU found \(nvidia-smi\); leave it unset"):  # fmt: skip
         check_this_machine(two)
     check_this_machine(compose_run("cluster=slurm", "cluster.gpus_per_node=2"))  # not this one
+    # A dry run plans the GPUs declared, and says in a note that the run is refused here.
+    assert check_this_machine(compose_run(*two_args, "dry_run=true")) == [
+        "cluster.gpus_per_node=2: cluster=local runs on this machine, and no GPU found "
+        "(nvidia-smi): planned as declared (the run itself is refused here)"
+    ]
     monkeypatch.setattr(gpus, "detect", lambda: [gpus.Gpu(0, "H100", 80.0)] * 2)
-    check_this_machine(two)
+    assert check_this_machine(two) == []
     # wandb online without a key: wandb.init failed after the run directory was made.
     for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
         monkeypatch.delenv(name, raising=False)
@@ -257,6 +261,28 @@ def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
         "install vLLM there, name a python that has it (inference.vllm_python=...), or use "
         "inference.backend=embedded"
     )
+    dry = compose_run("inference.backend=vllm", f"inference.vllm_python={sys.executable}",
+                      "dry_run=true")  # fmt: skip
+    assert check_this_machine(dry) == [
+        f"inference.backend=vllm: {sys.executable} cannot import vLLM (No module named 'vllm'): "
+        "the run itself is refused here"
+    ]
+
+
+def test_the_readmes_one_gpu_dry_run_plans_without_a_gpu() -> None:
+    """README: the one-GPU plan's `dry_run=true` shows it without a GPU (it was refused: "no
+    GPU found"); the run itself is still refused on a machine without one."""
+    from launcher import gpus
+
+    if gpus.detect():
+        pytest.skip("this machine has a GPU")
+    command = ["model=qwen3_0_6b", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=24"]
+    dry = subprocess.run([sys.executable, "-m", "launcher.cli", *command, "dry_run=true"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "trainer" in dry.stdout and "CUDA_VISIBLE_DEVICES=0" in dry.stdout
+    assert "planned as declared (the run itself is refused here)" in dry.stdout
+    assert "one GPU (24 GB) shared by inference and trainer" in dry.stdout
 
 
 EXTENSION = ["--worker-extension-cls", "rl.weights.sync.VllmWorkerExtension"]
