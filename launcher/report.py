@@ -144,6 +144,7 @@ def summarize(
     if train:
         last = train[-LAST_STEPS:]
         summary["reward/last"] = sum(r["reward/mean"] for r in last) / len(last)
+        summary["reward/last_steps"] = len(last)  # `reward/last` is the mean over these steps
         for key in ("throughput/tokens_per_s", "throughput/samples_per_s"):
             summary[f"{key}/mean"] = sum(r[key] for r in train) / len(train)
         for key in ("weights/update_bytes", "weights/full_bytes"):

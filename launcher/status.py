@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import ConfigError
-from launcher.report import override, read_records, read_summary
+from launcher.report import LAST_STEPS, override, read_records, read_summary
 from launcher.run_dir import running_roles
 from launcher.slurm_cli import JobState, failure_reason, job_states, read_jobs
 from launcher.tracking import ETA_WINDOW, duration
@@ -158,8 +158,12 @@ def _progress_lines(
     if newest:
         steps = max_steps(run)
         pace = eta(train, steps) if state == "running" else ""
+        # The step's own reward, and the mean summary.json's `reward/last` holds.
+        last = sorted(train, key=lambda r: r["step"])[-LAST_STEPS:]
+        mean = sum(r["reward/mean"] for r in last) / len(last)
         lines.append(
-            f"  latest step {newest['step']}/{steps}: reward {newest['reward/mean']:.3f}{pace}"
+            f"  latest step {newest['step']}/{steps}: reward {newest['reward/mean']:.3f} (mean "
+            f"of the last {len(last)} steps {mean:.3f}){pace}"
         )
     else:
         lines.append("  no trainer step yet")

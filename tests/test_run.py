@@ -142,6 +142,7 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
     assert summary["status"] == "finished" and summary["steps"] == 20
     assert "max_steps=20" in summary["overrides"]
     assert 0.0 <= summary["reward/last"] <= 1.0
+    assert summary["reward/last_steps"] == min(10, summary["steps"])  # the mean's span
     # The top level holds what a user reads; the processes' own files are in .relay/.
     assert {p.name for p in run_dir.iterdir()} == {
         "config.yaml", "plan.json", "api_key", "metrics.jsonl", "summary.json", "reward.png",

@@ -44,7 +44,9 @@ def test_a_live_run_says_running_with_its_eta(tmp_path: Path) -> None:
         role.kill()
         role.wait()
     assert status.splitlines()[0] == f"run {run.root}: running"
-    assert "latest step 4/10: reward 0.400, ETA 12s" in status  # 6 steps left at 2 s each
+    # The step's reward, then the mean summary.json's reward/last holds (it was the step's
+    # alone, unlike the summary's); 6 steps left at 2 s each.
+    assert "latest step 4/10: reward 0.400 (mean of the last 4 steps 0.250), ETA 12s" in status
     assert "latest eval at version 0: exact_match 0.250" in status
     assert "wall time 1m15s so far" in status
     assert f"logs: {run.logs}/" in status
