@@ -76,6 +76,11 @@ from rl.weights import lora as lora_versions
 from rl.weights.factory import make_publisher
 
 
+class StopWaiting(BaseException):
+    """Raised by the SIGTERM handler into the trainer's wait for a batch: no step is under way,
+    and a long poll (wire.LONG_POLL_S) could outlast Slurm's KillWait."""
+
+
 class Trainer:
     """One trainer rank of a run (module docstring); every rank runs the same steps."""
 
@@ -85,6 +90,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = setup_logging(f"trainer-{self.rank}")
         self.terminated = False
+        self.waiting = False  # for a batch: a SIGTERM then ends the wait (`_terminated`)
         if os.environ.get(CHECKPOINT_ON_TERM_ENV):
             signal.signal(signal.SIGTERM, self._terminated)
         self.base = self.built_base()
@@ -234,9 +240,16 @@ class Trainer:
             "micro_tokens": self.cfg.trainer.micro_batch_tokens,
         }
         while True:
-            response = queue.request(
-                http, "GET", "/batch", params=params, headers={"Accept": wire.CONTENT_TYPE}
-            )
+            try:
+                self.waiting = True
+                response = queue.request(
+                    http, "GET", "/batch", params=params, headers={"Accept": wire.CONTENT_TYPE}
+                )
+            except StopWaiting:
+                self.log.info("SIGTERM while waiting for batch %d: stopping here", step)
+                return None
+            finally:
+                self.waiting = False
             if response.status_code == 200:
                 groups, meta = wire.decode(response.content)
                 shard = BatchShard.from_wire(meta, groups[0]["samples"])
@@ -506,10 +519,14 @@ class Trainer:
 
     def _terminated(self, signum: int, frame: object) -> None:
         """SIGTERM from Slurm (directly, and again from torchrun): finish the step under way,
-        then checkpoint and stop, before Slurm's KillWait ends in SIGKILL."""
+        then checkpoint and stop, before Slurm's KillWait ends in SIGKILL; a wait for a batch
+        ends at once."""
         if not self.terminated:
             self.log.warning("SIGTERM: checkpointing after the step under way, then stopping")
         self.terminated = True
+        if self.waiting:  # for a batch, which may never come: the orchestrator is stopping too
+            self.waiting = False
+            raise StopWaiting
 
     def stop_requested(self) -> bool:
         """Whether the job supervisor asked for a checkpoint and stop (Slurm preemption or
