@@ -134,6 +134,12 @@ def check_relations(cfg: DictConfig) -> None:
             f"algorithm.async_level={algo.async_level}",
             f"must be >= 0 and <= algorithm.max_off_policy_steps={algo.max_off_policy_steps}",
         )
+    if algo.lr_warmup_steps >= cfg.max_steps:
+        refuse(
+            f"algorithm.lr_warmup_steps={algo.lr_warmup_steps}",
+            f"the learning rate would never reach algorithm.lr within max_steps={cfg.max_steps}; "
+            "use fewer warm-up steps",
+        )
 
 
 def check_environment(cfg: DictConfig) -> None:

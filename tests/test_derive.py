@@ -11,6 +11,7 @@ from rl.core.derive import (
     broadcast_backend,
     inference_backend,
     learning_rate,
+    lr_factor,
     max_model_len,
     trainer_dims,
 )
@@ -63,3 +64,26 @@ def test_backend_length_lr_and_broadcast_backend() -> None:
     assert max_model_len(compose_run("model.inference.max_model_len=77")) == 77
     assert learning_rate(cpu) == cpu.model.lr
     assert learning_rate(compose_run("algorithm.lr=1e-5")) == 1e-5
+
+
+def test_the_learning_rate_rises_over_its_warm_up_then_follows_its_schedule() -> None:
+    """algorithm.lr_schedule and lr_warmup_steps over max_steps=10: a straight rise to lr at
+    the last warm-up step, then constant, or down to zero at max_steps (linear: in equal
+    steps; cosine: symmetric about the midpoint of what is left)."""
+    factors = {
+        kind: [lr_factor(step, compose_run(f"algorithm.lr_schedule={kind}",
+                                           "algorithm.lr_warmup_steps=2", "max_steps=10"))
+               for step in range(10)]
+        for kind in ("constant", "linear", "cosine")
+    }  # fmt: skip
+    for kind, f in factors.items():
+        assert f[:3] == [0.5, 1.0, 1.0], kind
+    assert factors["constant"][2:] == [1.0] * 8
+    linear = factors["linear"][2:]
+    assert linear == pytest.approx([1 - k / 8 for k in range(8)])
+    cosine = factors["cosine"][2:]
+    assert all(a > b for a, b in zip(cosine, cosine[1:], strict=False))
+    assert [a + b for a, b in zip(cosine[1:], reversed(cosine[1:]), strict=True)] == pytest.approx(
+        [1.0] * 7
+    )
+    assert lr_factor(0, compose_run("max_steps=10")) == 1.0  # the default: constant, no rise

@@ -194,6 +194,10 @@ def test_local_fsdp_two_cpu_processes() -> None:
             "trainer (2) + inference (1) GPUs exceed the 2 this",
         ),
         (["algorithm.async_level=9"], "algorithm.async_level=9: must be >= 0 and <="),
+        (
+            ["algorithm.lr_warmup_steps=20", "max_steps=20"],
+            "algorithm.lr_warmup_steps=20: the learning rate would never reach algorithm.lr",
+        ),
         (["environment.group_size=1"], "environment.group_size=1: needs >= 2"),
         (["environment.max_tokens=500"], "must be below model=tiny's served length 128"),
         (

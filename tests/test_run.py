@@ -228,14 +228,24 @@ def test_broadcast_weight_transport(tmp_path: Path, cache: Path) -> None:
     assert "loaded version 0 from /" not in inference
 
 
-def test_async_level_0_trains_only_on_policy(tmp_path: Path, cache: Path) -> None:
+def test_async_level_0_trains_only_on_policy_at_the_scheduled_lr(
+    tmp_path: Path, cache: Path
+) -> None:
+    """On-policy, with a learning-rate warm-up and schedule and two optimiser steps a batch."""
+    schedule = ("algorithm.lr_schedule=linear", "algorithm.lr_warmup_steps=2",
+                "algorithm.updates_per_batch=2")  # fmt: skip
     records = run_to_end(
-        tmp_path / "run", cache, "max_steps=5", "algorithm.async_level=0", WANDB_MODE="disabled"
-    )
+        tmp_path / "run", cache, "max_steps=5", "algorithm.async_level=0", *schedule,
+        WANDB_MODE="disabled",
+    )  # fmt: skip
     train = [r for r in records if "loss" in r]
     # Record `step` s trains batch s-1, which must come from version s-1 only.
     assert all(r["versions"] == [r["step"] - 1] for r in train), [r["versions"] for r in train]
     assert all(r["off_policy/staleness_max"] == 0 for r in train)
+    # model=tiny's lr 3e-4: half of it, all of it, then down by a third of it each step.
+    lr = [r["lr"] / 3e-4 for r in train]
+    assert lr == pytest.approx([0.5, 1.0, 1.0, 2 / 3, 1 / 3]), lr
+    assert [r["optimizer/steps"] for r in train] == [2, 4, 6, 8, 10]  # AdamW's own count
 
 
 def test_async_level_1_overlaps_generation_with_training(tmp_path: Path, cache: Path) -> None:

@@ -97,6 +97,16 @@ class Loss(StrEnum):
     cispo = "cispo"
 
 
+class LrSchedule(StrEnum):
+    """How the learning rate moves over a run's steps, after `algorithm.lr_warmup_steps`."""
+
+    constant = "constant"
+    linear = "linear"
+    """Down in a straight line, to zero at max_steps."""
+    cosine = "cosine"
+    """Down along half a cosine, to zero at max_steps."""
+
+
 class Schedule(StrEnum):
     """Which policy version generates each batch."""
 
@@ -403,6 +413,20 @@ class AlgorithmConfig:
     lr: float | None = bounded(II("model.lr"), gt=0, note="default: model.lr")
     """The learning rate, the one the trainer uses: by default the model option's `lr` (the
     rate that model trains well with); `rl --cfg job --resolve` shows the value."""
+    lr_schedule: LrSchedule = LrSchedule.constant
+    """The learning rate over the run's steps after the warm-up steps: `constant`, `linear`
+    or `cosine` (both down to zero at max_steps; a run extended past its max_steps takes the
+    new max_steps from where it resumes)."""
+    lr_warmup_steps: int = bounded(0, ge=0)
+    """Steps over which the learning rate rises in a straight line to `lr` (step k of n at
+    lr * k / n) before `lr_schedule` takes over; 0: none. Not the supervised warm-up
+    (`warmup.steps`)."""
+    updates_per_batch: int = bounded(1, ge=1, le=64)
+    """Optimiser steps per batch: each of the trainer's packed micro-batches is cut into this
+    many runs of samples, mini-batch j takes the j-th of each, and each mini-batch is one
+    step, its loss normalised over its own samples. The importance ratio of
+    every step is against the policy that generated the batch, so the loss's clipping or
+    masking bounds how far the later steps move; one version is published per batch."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)

@@ -8,6 +8,7 @@ role does cannot disagree. Torch-free: the launcher imports it on the CLI path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from rl.core.config import (
     Backend,
     BroadcastBackend,
     ClusterKind,
+    LrSchedule,
     Placement,
     RunConfig,
     Schedule,
@@ -43,6 +45,21 @@ def learning_rate(cfg: RunConfig) -> float:
     """`algorithm.lr`, or the model option's `lr` when the algorithm leaves it unset."""
     lr = cfg.algorithm.lr
     return float(lr if lr is not None else cfg.model.lr)
+
+
+def lr_factor(step: int, cfg: RunConfig) -> float:
+    """What `algorithm.lr` is multiplied by for the update of step `step` (0-based): a rise
+    in a straight line over `lr_warmup_steps`, then `lr_schedule` down to zero at max_steps."""
+    algo = cfg.algorithm
+    warmup = algo.lr_warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if algo.lr_schedule == LrSchedule.constant:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
+    if algo.lr_schedule == LrSchedule.linear:
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 FILE_KV_CONNECTOR = "ExampleConnector"

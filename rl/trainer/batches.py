@@ -81,6 +81,14 @@ def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tu
     return torch.cat([zero, picked], dim=1), torch.cat([zero, entropy], dim=1)
 
 
+def mini_batch(micro_batches: list[list[int]], j: int, n: int) -> list[list[int]]:
+    """Mini-batch `j` of `n` (`algorithm.updates_per_batch`): the j-th of n runs of each packed
+    micro-batch's samples, so that each mini-batch keeps the token budget, about 1/n of every
+    micro-batch and a group's samples together (they share their prompt's copy); micro-batches
+    left empty are dropped."""
+    return [part for mb in micro_batches if (part := mb[j * len(mb) // n : (j + 1) * len(mb) // n])]
+
+
 def micro_batch(part: list[Sample], pad_id: int, device: torch.device) -> dict[str, Any]:
     """One forward/backward pass's tensors for `part`: right-padded ids and attention, the
     mask of the tokens that carry loss (completions, less an environment's turns), the

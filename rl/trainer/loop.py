@@ -25,6 +25,7 @@ from rl.core.derive import (
     CHECKPOINT_COPIES,
     ParallelDims,
     learning_rate,
+    lr_factor,
     max_model_len,
     precision,
     trainer_dims,
@@ -44,7 +45,7 @@ from rl.core.runtime import (
     setup_logging,
 )
 from rl.envs import make_environment
-from rl.trainer.batches import IDLE, micro_batch, sft_batch, token_logprobs
+from rl.trainer.batches import IDLE, micro_batch, mini_batch, sft_batch, token_logprobs
 from rl.trainer.checkpoint import (
     load_checkpoint,
     load_model_state,
@@ -313,10 +314,29 @@ class Trainer:
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most.item())
 
-    def train_step(self, samples: list[Sample], micro_batches: list[list[int]]) -> dict[str, float]:
-        """One optimiser step over this rank's samples, in the queue's packed micro-batches."""
+    def train_step(
+        self, step: int, samples: list[Sample], micro_batches: list[list[int]]
+    ) -> dict[str, float]:
+        """Step `step`'s `algorithm.updates_per_batch` optimiser steps over this rank's samples
+        (the queue's packed micro-batches dealt out over as many mini-batches), at the
+        scheduled learning rate; the numbers are their means."""
+        updates = self.cfg.algorithm.updates_per_batch
+        lr = learning_rate(self.cfg) * lr_factor(step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        parts = [mini_batch(micro_batches, j, updates) for j in range(updates)]
+        each = [self.update(samples, part) for part in parts]
+        mean = {key: sum(e[key] for e in each) / updates for key in each[0]}
+        return {
+            **mean,
+            "ratio_max": max(e["ratio_max"] for e in each),
+            "ratio_min": min(e["ratio_min"] for e in each),
+        }
+
+    def update(self, samples: list[Sample], micro_batches: list[list[int]]) -> dict[str, float]:
+        """One optimiser step over the samples of `micro_batches` (indices into `samples`)."""
         algo = self.cfg.algorithm
-        totals = self.batch_totals(samples)
+        totals = self.batch_totals([samples[i] for mb in micro_batches for i in mb])
         self.optimizer.zero_grad()
         sums = dict.fromkeys(SUMMED_STATS, 0.0)
         ratio_max, ratio_min = 0.0, float("inf")
@@ -348,6 +368,12 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model, algo.max_grad_norm, self.dims)
         self.optimizer.step()
         return {**self.whole_batch_stats(sums, ratio_max, ratio_min), "grad_norm": float(grad_norm)}
+
+    def optimizer_steps(self) -> int:
+        """AdamW's own count of the steps it took (a parameter's), over the run so far."""
+        for state in self.optimizer.state.values():
+            return int(state["step"])
+        return 0
 
     def whole_batch_stats(
         self, sums: dict[str, float], ratio_max: float, ratio_min: float
@@ -575,7 +601,7 @@ class Trainer:
             assert batch is not None
             t_fetch = time.monotonic() - t0
             train_start = time.time()
-            stats = self.train_step(batch.samples, batch.micro_batches)
+            stats = self.train_step(step, batch.samples, batch.micro_batches)
             t_train = time.monotonic() - t0 - t_fetch
             train_end = time.time()  # before the publish, which lets the next batch start
             self.publish(step + 1)
@@ -635,6 +661,7 @@ class Trainer:
         record = {
             **step_metrics(step, batch, whole, stats, times),
             "lr": self.optimizer.param_groups[0]["lr"],
+            "optimizer/steps": self.optimizer_steps(),
             "weights/update_bytes": self.update_bytes,  # what one version moves to inference
             "weights/full_bytes": self.full_bytes,
             **memory_metrics(self.device),
