@@ -58,11 +58,16 @@ FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped F
 LOCAL_SOURCES = ("random", "gguf_package")  # built here, or shipped inside a Python package
 
 
+TURN_SAMPLE = 16
+"""Held-out openings a multi-turn environment's length is checked on (`check_turns`)."""
+
+
 def check_run(cfg: DictConfig) -> list[str]:
     """Refuse what cannot work whatever the cluster holds; returns the plan's notes (what a
     LoRA run adapts, weights still missing). `cluster.gpus_per_node` must be filled in."""
     check_relations(cfg)
     check_environment(cfg)
+    check_turns(cfg)
     check_model_fit(cfg)
     check_cpu_fit(cfg)
     check_expert_split(cfg)
@@ -134,6 +139,14 @@ def check_relations(cfg: DictConfig) -> None:
             f"algorithm.async_level={algo.async_level}",
             f"must be >= 0 and <= algorithm.max_off_policy_steps={algo.max_off_policy_steps}",
         )
+    if algo.temperature == 0:
+        refuse(
+            "algorithm.temperature=0",
+            f"greedy sampling gives the {env.group_size} samples of a group one answer, so "
+            f"every group ties and has no advantage against its baseline "
+            f"(algorithm.advantage={algo.advantage}): nothing is learned; use a temperature "
+            "above 0 (default 1.0; evaluation is greedy anyway)",
+        )
     if algo.lr_warmup_steps >= cfg.max_steps:
         refuse(
             f"algorithm.lr_warmup_steps={algo.lr_warmup_steps}",
@@ -157,6 +170,48 @@ def check_environment(cfg: DictConfig) -> None:
             check_installed(parse_args(args).id)  # type: ignore[arg-type]
     except ValueError as err:
         raise PlanError(str(err)) from None
+
+
+def check_turns(cfg: DictConfig) -> None:
+    """A multi-turn environment (`environment.args.max_turns` > 1) whose served length cannot
+    hold its opening, a model turn, its reply and a second model turn ends every episode
+    after the first turn, and learns nothing of the later ones: refused, naming the length
+    two turns need. Measured with the model's tokenizer on the longest of the environment's
+    first held-out openings, where that tokenizer is at hand (a model built here or at
+    model.path): the orchestrator's own opening and reply tokens."""
+    args, model = cfg.environment.args, cfg.model
+    if not (args and int(args.get("max_turns") or 0) > 1):
+        return
+    if not model.path and str(model.source) != "random":
+        return
+    from rl.core.derive import max_model_len
+    from rl.core.model import ensure_checkpoint, load_tokenizer
+    from rl.envs import Environment, make_environment
+    from rl.orchestrator.episodes import opening
+
+    env = make_environment(cfg.environment)
+    if type(env).respond is Environment.respond:  # an environment that plays itself
+        return
+    tokenizer = load_tokenizer(ensure_checkpoint(model))
+    env.use_tokenizer(tokenizer)
+    examples = env.eval_examples()[:TURN_SAMPLE]
+    turn = cfg.environment.max_tokens
+    need = max(
+        len(opening(env, tokenizer, e))
+        + turn
+        + len(tokenizer(env.respond(e, [""]) or "", add_special_tokens=False)["input_ids"])
+        + turn
+        for e in examples
+    )
+    served = max_model_len(cfg)  # type: ignore[arg-type]
+    if need > served:
+        refuse(
+            f"environment={cfg.environment.name}",
+            f"{env.max_turns} turns an episode, but the served length {served} cannot hold "
+            f"two: its opening, a turn of environment.max_tokens={turn}, its reply and a "
+            f"second turn need {need} tokens, so every episode would end after one; raise "
+            f"model.inference.max_model_len to at least {need}",
+        )
 
 
 def check_model_fit(cfg: DictConfig) -> None:

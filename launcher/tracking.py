@@ -22,6 +22,13 @@ from rl.core.kinds import RecordKind, kind_of
 from rl.core.rundir import RunDir, write_atomic
 
 ETA_WINDOW = 20
+# A run that cannot learn says so: a warning once a condition has held this many steps in a row.
+NO_SIGNAL_STEPS = 3  # no group of the batch's first round had signal (every group tied)
+FLAT_REWARD_STEPS = 10  # the same mean reward, to the printed digits
+CUT_BOUND = 0.3  # share of trained tokens whose gradient the loss clipped or masked
+CUT_STEPS = 3
+KL_BOUND = 1.0  # mismatch KL per token between the generating and the trained policy
+KL_STEPS = 3
 """Steps the ETA's pace is taken over."""
 
 
@@ -159,6 +166,8 @@ class Console:
         self.rollouts: dict[int, dict[str, Any]] = {}
         self.step_times: list[tuple[int, float]] = []  # (step, seen at) for the ETA
         self.last_eval: dict[str, Any] | None = None
+        self.rewards: list[float] = []  # the last FLAT_REWARD_STEPS steps' mean rewards
+        self.streaks: dict[str, int] = {}  # steps in a row each warning's condition held
 
     def line(self, record: dict[str, Any]) -> str | None:
         kind = kind_of(record)
@@ -185,17 +194,54 @@ class Console:
         return f"ETA {duration(per_step * (self.max_steps - step))}"
 
     def step_line(self, r: dict[str, Any]) -> str:
+        """The step's line: reward, loss, the share of the first round's groups with signal,
+        the share of tokens the loss cut, pace and times; then any warning that the run is
+        not learning."""
         rollout = self.rollouts.pop(r["step"], {})
         sync = r.get("time/weight_sync", 0.0) + rollout.get("time/weight_load", 0.0)
         times = [f"train {r.get('time/train', r['time/step']):.2f}s", f"sync {sync:.2f}s"]
         if rollout:
             times.insert(0, f"gen {rollout['time/generate']:.2f}s")
-        return (
+        signal = rollout.get("filter/first_round_signal")
+        shares = "" if signal is None else f"signal {signal:.0%}  "
+        cut = r.get("clipped_fraction", 0.0) + r.get("masked_fraction", 0.0)
+        line = (
             f"step {r['step']:>3}/{self.max_steps}  reward {r['reward/mean']:.3f}  "
-            f"loss {r['loss']:+.4f}  {r['throughput/tokens_per_s']:,.0f} tok/s  "
+            f"loss {r['loss']:+.4f}  {shares}clipped {cut:.0%}  "
+            f"{r['throughput/tokens_per_s']:,.0f} tok/s  "
             f"{'  '.join(times)}  staleness {r['off_policy/staleness_max']}  "
             f"{self.eta(r['step'])}"
         )
+        return "\n".join([line, *self.warnings(r, signal, cut)])
+
+    def warnings(self, r: dict[str, Any], signal: float | None, cut: float) -> list[str]:
+        """A line for each condition that has just held for its number of steps in a row."""
+        rewards = self.rewards = [
+            *self.rewards[-(FLAT_REWARD_STEPS - 1) :],
+            round(r["reward/mean"], 3),
+        ]
+        held = {
+            "signal": (signal == 0, NO_SIGNAL_STEPS,
+                       "no group had signal: every group's samples scored alike, so every "
+                       "advantage is zero and nothing is learned (sampling temperature, a "
+                       "served length too short for the task, or a reward that never varies?)"),
+            "reward": (len(rewards) == FLAT_REWARD_STEPS and len(set(rewards)) == 1, 1,
+                       f"the mean reward has been {rewards[-1]:.3f} for {FLAT_REWARD_STEPS} steps"),
+            "cut": (cut > CUT_BOUND, CUT_STEPS,
+                    f"the loss clipped or masked {cut:.0%} of the tokens (over {CUT_BOUND:.0%}): "
+                    "the policy moves further per step than its bounds allow; a lower "
+                    "algorithm.lr?"),
+            "kl": (r.get("mismatch_kl", 0.0) > KL_BOUND, KL_STEPS,
+                   f"the trained policy is {r.get('mismatch_kl', 0.0):.2f} nats per token (KL) "
+                   f"from the one that generated its batch (over {KL_BOUND:g})"),
+        }  # fmt: skip
+        said = []
+        for name, (now, steps, text) in held.items():
+            self.streaks[name] = self.streaks.get(name, 0) + 1 if now else 0
+            if self.streaks[name] == steps:
+                run = f" for {steps} steps in a row" if steps > 1 else ""
+                said.append(f"warning: {text}{run}")
+        return said
 
     def eval_line(self, r: dict[str, Any]) -> str:
         """The exact match with its standard error over the held-out prompts, and the change

@@ -194,6 +194,11 @@ def test_local_fsdp_two_cpu_processes() -> None:
             "trainer (2) + inference (1) GPUs exceed the 2 this",
         ),
         (["algorithm.async_level=9"], "algorithm.async_level=9: must be >= 0 and <="),
+        (["algorithm.temperature=0"], "algorithm.temperature=0: greedy sampling gives the 8"),
+        (  # the README's wordle command gives it model.inference.max_model_len=512
+            ["environment=wordle"],
+            "environment=wordle: 6 turns an episode, but the served length 128 cannot hold two",
+        ),
         (
             ["algorithm.lr_warmup_steps=20", "max_steps=20"],
             "algorithm.lr_warmup_steps=20: the learning rate would never reach algorithm.lr",

@@ -1,8 +1,53 @@
-"""The wandb tracker when wandb's service is gone (killed with a Slurm job's processes)."""
+"""The console and the wandb tracker: a run that cannot learn says so on the console, and a
+tracker whose wandb service is gone (killed with a Slurm job's processes) stops quietly."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+from launcher.tracking import Console
+
+
+def step_records(step: int, reward: float, signal: float, cut: float) -> list[dict]:
+    rollout = {"kind": "rollout", "step": step, "time/generate": 0.5, "time/weight_load": 0.0,
+               "filter/first_round_signal": signal}  # fmt: skip
+    train = {"kind": "train", "step": step, "reward/mean": reward, "loss": 0.0,
+             "masked_fraction": cut, "clipped_fraction": 0.0, "mismatch_kl": 0.01,
+             "throughput/tokens_per_s": 100.0, "time/step": 1.0, "time/train": 0.5,
+             "off_policy/staleness_max": 1}  # fmt: skip
+    return [rollout, train]
+
+
+def console_lines(rows: list[tuple[float, float, float]]) -> list[str]:
+    console = Console(max_steps=len(rows))
+    said = []
+    for step, row in enumerate(rows, 1):
+        for record in step_records(step, *row):
+            said.extend((console.line(record) or "").splitlines())
+    return said
+
+
+def test_a_run_without_signal_or_with_a_flat_reward_is_warned_of_once() -> None:
+    """temperature 0, a reward that never varies, a multi-turn task cut after one turn: every
+    group ties, the orchestrator refills it, and the steps' reward stays put."""
+    lines = console_lines([(0.0, 0.0, 0.0)] * 12)
+    steps = [x for x in lines if x.startswith("step ")]
+    assert all("signal 0%  clipped 0%" in x for x in steps), steps[0]
+    warned = [x for x in lines if x.startswith("warning: ")]
+    assert len(warned) == 2, warned  # once each, not every step
+    assert "no group had signal" in warned[0] and "for 3 steps in a row" in warned[0]
+    assert lines.index(warned[0]) == lines.index(steps[2]) + 1  # after the third step
+    assert warned[1].startswith("warning: the mean reward has been 0.000 for 10 steps")
+
+
+def test_a_loss_that_cuts_most_tokens_is_warned_of() -> None:
+    """GSPO at lr 3e-4 clipped half of every batch with no word."""
+    learning = [(0.1 * k, 0.8, 0.5) for k in range(5)]
+    warned = [x for x in console_lines(learning) if x.startswith("warning: ")]
+    assert len(warned) == 1 and "clipped or masked 50% of the tokens" in warned[0], warned
+    assert not [x for x in console_lines([(0.1 * k, 0.8, 0.1) for k in range(5)])
+                if x.startswith("warning: ")]  # fmt: skip
+
 
 SCRIPT = """
 import os, signal, sys
