@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.plan import RunPlan, plan_header
+from launcher.plan import RunPlan, plan_header, warm_up_line
 from launcher.processes import (
     FINISHING_ROLES,
     POLL_S,
@@ -139,6 +139,8 @@ def run_local(cfg: DictConfig, run_plan: RunPlan, resume: RunDir | None = None) 
         for asked in (run.checkpoint_request, run.checkpointed):  # an earlier Ctrl-C's
             asked.unlink(missing_ok=True)
     print(plan_header(run_plan, cfg, resume), flush=True)
+    if said := warm_up_line(cfg, resume):
+        print(said, flush=True)
     print(f"run directory: {run.root}", flush=True)
     follow = Follow(cfg, run, echo=True, group=sweep_group())
     children = start_children(run_plan, run, token)

@@ -340,10 +340,38 @@ def plan_header(p: RunPlan, cfg: DictConfig, resume: RunDir | None = None) -> st
         f"run {p.run_name} on cluster={p.cluster}: {cfg.max_steps} steps of "
         f"{p.batch_size} samples, trainer world {p.trainer_world_size} "
         f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
-        f"lr {p.lr:g}, inference backend {p.backend} {inference}, "
+        f"{optimiser(p, cfg)}, inference backend {p.backend} {inference}, "
         f"async_level {cfg.algorithm.async_level}, placement {cfg.placement}, "
         f"{warm_up(cfg, resume)}, seed {cfg.seed}, "
         + ("reproducible" if not p.inexact else f"not reproducible ({'; '.join(p.inexact)})")
+    )
+
+
+def optimiser(p: RunPlan, cfg: DictConfig) -> str:
+    """What trains: the learning rate and its schedule, the loss, and LoRA where it is on."""
+    algo = cfg.algorithm
+    said = f"lr {p.lr:g}"
+    if algo.lr_warmup_steps:
+        said += f" after {algo.lr_warmup_steps} steps rising to it"
+    if algo.lr_schedule != "constant":
+        said += f" then {algo.lr_schedule} to 0"
+    if algo.updates_per_batch > 1:
+        said += f", {algo.updates_per_batch} optimiser steps a batch"
+    said += f", loss {algo.loss}"
+    if cfg.model.lora.rank:
+        said += f", LoRA rank {cfg.model.lora.rank} (only the adapter trains)"
+    return said
+
+
+def warm_up_line(cfg: DictConfig, resume: RunDir | None = None) -> str | None:
+    """The supervised warm-up in plain words, where the trainer runs one: it comes before RL,
+    and version 0 (the first eval) is the model after it."""
+    if not cfg.warmup.steps or (resume is not None and resume.latest_checkpoint() is not None):
+        return None
+    return (
+        f"warm-up: {cfg.warmup.steps} supervised steps on the environment's answers before RL "
+        "(version 0, the first eval, is the model after them; warmup.steps=0 starts RL from "
+        "the model as it is)"
     )
 
 
@@ -362,6 +390,8 @@ def warm_up(cfg: DictConfig, resume: RunDir | None) -> str:
 def format_plan(p: RunPlan, cfg: DictConfig) -> str:
     """The plan as a readable table for `dry_run=true`."""
     lines = [plan_header(p, cfg)]
+    if said := warm_up_line(cfg):
+        lines.append(said)
     if p.jobs:
         lines.append("")
         header = f"{'job':<10} {'nodes':>5} {'gpus/node':>9} {'cpus':>5} {'mem':>7} {'time':>6}"

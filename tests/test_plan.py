@@ -722,3 +722,15 @@ def test_a_resumes_plan_line_says_whether_the_trainer_warms_up_again(tmp_path: P
     assert ", no warm-up (resumes from checkpoint step_40), seed" in resumed
     assert "warm-up 80" not in resumed
     assert ", no warm-up, seed" in plan_header(p, compose_run("warmup.steps=0"))
+
+
+def test_the_plan_says_what_trains_and_puts_the_warm_up_in_its_first_lines() -> None:
+    """A custom environment evaluated 1.000 at version 0 with no word that 80 supervised steps
+    on its answers had run first; the plan line named neither LoRA nor the loss."""
+    cfg = compose_run("model.lora.rank=8", "algorithm=gspo", "algorithm.lr_schedule=cosine")
+    shown = format_plan(plan(cfg), cfg).splitlines()
+    assert ", loss gspo, LoRA rank 8 (only the adapter trains)," in shown[0]
+    assert " then cosine to 0," in shown[0]
+    assert shown[1].startswith("warm-up: 80 supervised steps on the environment's answers")
+    cold = compose_run("warmup.steps=0")
+    assert "warm-up:" not in format_plan(plan(cold), cold)
