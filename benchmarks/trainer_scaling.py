@@ -100,7 +100,7 @@ def rank_main(
         parts = micro_batches(batch, budget)
         dist.barrier()
         t0 = time.perf_counter()
-        trainer.train_step([Sample.parse(s) for s in batch], parts)
+        trainer.train_step([Sample.parse(s) for s in batch], parts, step)
         dist.barrier()
         if step:  # step 0 warms up
             elapsed += time.perf_counter() - t0

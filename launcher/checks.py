@@ -43,6 +43,7 @@ from launcher.sizing import MIN_TOKENS_PER_CP_RANK, disk_need
 from launcher.vllm_args import VLLM_LORA_RANKS
 from rl.core import lora
 from rl.core.config import (
+    SWEEP_METRICS,
     Backend,
     BroadcastBackend,
     ClusterKind,
@@ -147,6 +148,14 @@ def check_relations(cfg: DictConfig) -> None:
             f"(algorithm.advantage={algo.advantage}): nothing is learned; use a temperature "
             "above 0 (default 1.0; evaluation is greedy anyway)",
         )
+    if cfg.eval.samples > 1 and cfg.eval.temperature == 0:
+        refuse(
+            f"eval.samples={cfg.eval.samples}",
+            "greedy evaluation (eval.temperature=0) gives one answer however many samples; "
+            "set eval.temperature above 0 (1.0 samples as training does)",
+        )
+    if cfg.sweep.metric not in SWEEP_METRICS:
+        refuse(f"sweep.metric={cfg.sweep.metric}", f"valid: {', '.join(SWEEP_METRICS)}")
     if algo.lr_warmup_steps >= cfg.max_steps:
         refuse(
             f"algorithm.lr_warmup_steps={algo.lr_warmup_steps}",
@@ -163,6 +172,10 @@ def check_environment(cfg: DictConfig) -> None:
             from rl.orchestrator.agents import check_config
 
             check_config(cfg.environment)
+        if cfg.environment.name == "dataset":  # its file and reward functions load now
+            from rl.envs import make_environment
+
+            make_environment(cfg.environment)
         if cfg.environment.name == "verifiers":  # installed, or the run fails once started
             from rl.envs.verifiers_env import check_installed, parse_args
 
@@ -170,6 +183,21 @@ def check_environment(cfg: DictConfig) -> None:
             check_installed(parse_args(args).id)  # type: ignore[arg-type]
     except ValueError as err:
         raise PlanError(str(err)) from None
+
+
+def absolute_paths(cfg: DictConfig) -> None:
+    """environment=dataset's file and reward files as absolute paths, so that every role
+    (started elsewhere, on Slurm on another node) reads the ones the command named."""
+    if cfg.environment.name != "dataset":
+        return
+    args = cfg.environment.args
+    if args.get("path"):
+        args.path = str(Path(args.path).expanduser().absolute())
+    rewards = []
+    for spec in args.get("rewards") or []:
+        where, _, name = str(spec).rpartition(":")
+        rewards.append(f"{Path(where).absolute()}:{name}" if where.endswith(".py") else spec)
+    args.rewards = rewards
 
 
 def check_turns(cfg: DictConfig) -> None:

@@ -154,6 +154,11 @@ def summarize(
         summary["eval/exact_match/first"] = evals[0]["eval/exact_match"]
         summary["eval/exact_match/last"] = evals[-1]["eval/exact_match"]
         summary["eval/reward/last"] = evals[-1]["eval/reward/mean"]
+        best = max(evals, key=lambda r: r["eval/exact_match"])  # the earliest of equals
+        summary["eval/exact_match/best"] = best["eval/exact_match"]
+        summary["eval/best_version"] = best["step"]  # its weights: model.path=<run>/step_N
+        if "eval/pass_at_k" in evals[-1]:
+            summary["eval/pass_at_k/last"] = evals[-1]["eval/pass_at_k"]
     return summary
 
 

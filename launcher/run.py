@@ -10,7 +10,8 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_this_machine, check_weights, disk_warning
+from launcher.branch import branch, branch_hint
+from launcher.checks import absolute_paths, check_this_machine, check_weights, disk_warning
 from launcher.errors import ConfigError
 from launcher.hydra_dirs import remove_made
 from launcher.plan import format_plan, plan
@@ -44,8 +45,10 @@ def launch(cfg: DictConfig) -> None:
             remove_made(run_dir)
         return
     try:
+        branched = branch(cfg)  # model.path naming a run: its weights, no warm-up
+        absolute_paths(cfg)
         run_plan = plan(cfg)
-        run_plan.notes += check_this_machine(cfg)
+        run_plan.notes += branched + check_this_machine(cfg)
         base_pending = False  # on Slurm: built by a job this point's jobs start after
         if not cfg.dry_run and shares_a_base(cfg):  # a sweep point: warmed up once per group
             base_pending = start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
@@ -68,6 +71,8 @@ def launch(cfg: DictConfig) -> None:
         return
     if cfg.inference.shared:
         return
+    for note in branched:
+        print(note, flush=True)
     if cfg.cluster.kind == ClusterKind.slurm:
         from launcher.slurm import submit
 
@@ -89,7 +94,7 @@ def launch(cfg: DictConfig) -> None:
 RESUMABLE = ("max_steps", "max_restarts", "environment.eval_every", "trainer.checkpoint_every")
 """Keys a resume may change (and every `wandb.*` and `timeouts.*`): how long the run goes on
 and how it is watched, never what it trains or how."""
-RESUMABLE_GROUPS = ("wandb.", "timeouts.")
+RESUMABLE_GROUPS = ("wandb.", "timeouts.", "sweep.")
 
 
 def resume(cfg: DictConfig, target: Path) -> None:
@@ -115,7 +120,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
             f"({'; '.join(edited[:5])}); a resume continues with the config the run was started "
             f"with: restore it, change what a resume may change on the command line "
             f"({', '.join(RESUMABLE)}), or start a new run from its weights: "
-            f"model.path={target}/weights/step_N"
+            f"{branch_hint(target)}"
         )
     config = run.load_config()
     # What a resume keeps is what was checkpointed: later steps are trained again.
@@ -202,8 +207,8 @@ def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
             raise ConfigError(
                 f"resume={target}: {requested.input_line} cannot change on resume (it would "
                 f"change what the run trains); resume may change {', '.join(RESUMABLE)}, "
-                f"wandb.* and timeouts.*. To train on with other settings, start a new run from "
-                f"its weights: model.path={target}/weights/step_N"
+                f"wandb.*, timeouts.* and sweep.*. To train on with other settings, start a new "
+                f"run from its weights: {branch_hint(target)}"
             )
         changes[key] = OmegaConf.select(cfg, key)
     return changes

@@ -9,10 +9,13 @@ after the command that submitted them).
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from launcher.errors import ConfigError
 from launcher.report import read_records, read_summary
@@ -21,6 +24,8 @@ from launcher.slurm_cli import job_states, read_jobs
 from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import SERVICE, RunDir, point_dirs
 
+FIRST, LAST = "eval/exact_match/first", "eval/exact_match/last"
+DEFAULT_METRIC = LAST
 COLUMNS = (
     ("status", "status", "{}"),
     ("steps", "steps", "{}"),
@@ -93,7 +98,8 @@ def write_sweep_summary(sweep_dir: Path) -> Path | None:
         lines.append(f"| {run.root.name} | `{label}` | " + " | ".join(cells) + " |")
     groups = seed_groups(points, labels)
     if any(len(members) > 1 for members in groups.values()):
-        lines += ["", *group_table(groups)]
+        metric = OmegaConf.select(points[0].load_config(), "sweep.metric") or DEFAULT_METRIC
+        lines += ["", *group_table(groups, metric)]
     lines += ["", "![rewards](sweep.png)", ""]
     target = sweep_dir / "sweep_summary.md"
     target.write_text("\n".join(lines))
@@ -117,59 +123,107 @@ def seed_groups(points: list[RunDir], labels: list[str]) -> dict[str, list[RunDi
 
 
 GROUP_COLUMNS = (
+    ("eval exact (version 0)", "eval/exact_match/first"),
     ("eval exact (last)", "eval/exact_match/last"),
     ("reward (last 10)", "reward/last"),
 )
+FEW_SEEDS = 3
+"""Groups with fewer seeds than this are warned of: two seeds give one spread, no test."""
 
 
-def group_table(groups: dict[str, list[RunDir]]) -> list[str]:
-    """A row per group (mean +- sd over its seeds, and n), the best group by last eval, and
-    whether its lead over the next exceeds the spread across seeds."""
+def group_table(groups: dict[str, list[RunDir]], metric: str = DEFAULT_METRIC) -> list[str]:
+    """A row per group (mean +- sd over its seeds, n, the baseline its runs started from and
+    their gain over it), the best group by `metric` and whether Welch's t-test tells its lead
+    over the next from the spread across seeds."""
     lines = [
         "Over seeds (points that differ only in their seed):",
         "",
-        "| group | n | " + " | ".join(title for title, _ in GROUP_COLUMNS) + " |",
-        "|---|---|" + "---|" * len(GROUP_COLUMNS),
+        "| group | n | " + " | ".join(t for t, _ in GROUP_COLUMNS) + " | gain over version 0 |",
+        "|---|---|" + "---|" * (len(GROUP_COLUMNS) + 1),
     ]
-    stats = {}
+    by_metric = {}
     for name, members in groups.items():
         summaries = [read_summary(run) for run in members]
         cells = []
         for _, key in GROUP_COLUMNS:
             values = [s[key] for s in summaries if key in s]
-            stats[name, key] = values
             cells.append(mean_sd(values) if values else "-")
-        n = sum("eval/exact_match/last" in s for s in summaries)
-        lines.append(f"| `{name}` | {n} | " + " | ".join(cells) + " |")
-    lines += ["", verdict({n: stats[n, "eval/exact_match/last"] for n in groups})]
+        gains = [s[LAST] - s[FIRST] for s in summaries if LAST in s and FIRST in s]
+        cells.append(mean_sd(gains, signed=True) if gains else "-")
+        by_metric[name] = [s[metric] for s in summaries if metric in s]
+        lines.append(f"| `{name}` | {len(by_metric[name])} | " + " | ".join(cells) + " |")
+    few = [f"`{name}` ({len(v)})" for name, v in by_metric.items() if len(v) < FEW_SEEDS]
+    if few:
+        lines += ["", f"warning: fewer than {FEW_SEEDS} seeds in {', '.join(few)}: the spread "
+                  "across seeds is a guess, and a lead cannot be told from noise; add seeds "
+                  "(seed=0,1,2,...)"]  # fmt: skip
+    lines += ["", verdict(by_metric, metric)]
     return lines
 
 
-def mean_sd(values: list[float]) -> str:
+def mean_sd(values: list[float], signed: bool = False) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+    return f"{statistics.mean(values):{'+' if signed else ''}.3f} +- {sd:.3f}"
 
 
-def verdict(evals: dict[str, list[float]]) -> str:
-    """The best group by mean last eval, and whether its lead over the runner-up is larger
-    than the spread across seeds (the larger of the two groups' standard deviations)."""
+def verdict(evals: dict[str, list[float]], metric: str = DEFAULT_METRIC) -> str:
+    """The best group by its mean `metric`, and whether its lead over the runner-up is told
+    from the spread across seeds: Welch's t-test, two-sided, at p < 0.05."""
     scored = {name: values for name, values in evals.items() if values}
     if len(scored) < 2:
-        return "One group has evals so far: nothing to rank."
+        return f"One group has {metric} so far: nothing to rank."
     ranked = sorted(scored, key=lambda name: -statistics.mean(scored[name]))
-    best, second = ranked[0], ranked[1]
-    lead = statistics.mean(scored[best]) - statistics.mean(scored[second])
-    spread = max(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (scored[best], scored[second]))
-    if min(len(scored[best]), len(scored[second])) < 2:
-        judged = "one seed a side gives no spread to judge it by"
-    elif lead > spread:
-        judged = f"larger than the spread across seeds (sd {spread:.3f}): a real lead"
-    else:
-        judged = f"within the spread across seeds (sd {spread:.3f}): not told apart from noise"
-    return (
-        f"Best: `{best}` (last eval {statistics.mean(scored[best]):.3f}); its lead over "
-        f"`{second}` is {lead:.3f}, {judged}."
+    best, second = scored[ranked[0]], scored[ranked[1]]
+    lead = statistics.mean(best) - statistics.mean(second)
+    head = (
+        f"Best by {metric}: `{ranked[0]}` ({statistics.mean(best):.3f}); its lead over "
+        f"`{ranked[1]}` is {lead:.3f}"
     )
+    if min(len(best), len(second)) < 2:
+        return f"{head}: one seed a side gives no spread to judge it by."
+    p = welch_p(best, second)
+    test = f"Welch's t-test over the seeds (n={len(best)} vs {len(second)}): p={p:.3f}"
+    judged = "a real lead" if p < 0.05 else "not told apart from noise"
+    return f"{head}; {test}, {judged} at p < 0.05."
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided p-value of Welch's t-test that `a` and `b` have the same mean."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.mean(a) - statistics.mean(b)
+    if va + vb == 0:
+        return 1.0 if diff == 0 else 0.0
+    t = diff / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return incomplete_beta(df / (df + t * t), df / 2, 0.5)
+
+
+def incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction."""
+    if x <= 0 or x >= 1:
+        return max(0.0, min(1.0, x))
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast on this side only
+        return 1.0 - incomplete_beta(1 - x, b, a)
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 300):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-12:
+            break
+    return front * fraction / a
 
 
 def plot_groups(groups: dict[str, list[RunDir]], target: Path) -> None:

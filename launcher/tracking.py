@@ -22,6 +22,8 @@ from rl.core.kinds import RecordKind, kind_of
 from rl.core.rundir import RunDir, write_atomic
 
 ETA_WINDOW = 20
+QUIET_S = 60.0
+"""After this long with nothing new to show, the console says what the run waits for."""
 # A run that cannot learn says so: a warning once a condition has held this many steps in a row.
 NO_SIGNAL_STEPS = 3  # no group of the batch's first round had signal (every group tied)
 FLAT_REWARD_STEPS = 10  # the same mean reward, to the printed digits
@@ -253,10 +255,28 @@ class Console:
             delta = exact - self.last_eval["eval/exact_match"]
             change = f" ({delta:+.3f} since version {self.last_eval['step']})"
         self.last_eval = r
+        sampled = f"  pass@{r['eval/k']} {r['eval/pass_at_k']:.3f}" if "eval/k" in r else ""
         return (
             f"eval  @ version {r['step']:>3}: exact_match {exact:.3f} ±{noise:.3f} of {n}"
-            f"{change}  reward {r['eval/reward/mean']:.3f}"
+            f"{change}  reward {r['eval/reward/mean']:.3f}{sampled}"
         )
+
+
+def waiting_line(run: RunDir, quiet_s: float) -> str:
+    """One line on what a run that has said nothing for `quiet_s` seconds waits for: the
+    batch the orchestrator is filling (rundir `generating`), its fill round, its groups with
+    signal so far and what it dropped."""
+    try:
+        at = json.loads(run.generating.read_text())
+    except (OSError, ValueError):
+        return f"nothing new for {quiet_s:.0f} s: no batch is being generated yet"
+    return (
+        f"nothing new for {quiet_s:.0f} s: batch {at['batch']} is in fill round {at['round']} "
+        f"(for {time.time() - at['since']:.0f} s, {at['episodes']} episodes): "
+        f"{at['with_signal']} of {at['want']} groups with signal so far, {at['tied']} dropped "
+        f"without signal (every sample scored alike) and {at['failed']} episodes that failed "
+        "or timed out (the orchestrator's log names them)"
+    )
 
 
 class Follow:
@@ -270,13 +290,21 @@ class Follow:
         self.console = Console(cfg.max_steps)
         self.echo, self.prefix = echo, prefix  # prefix: whose line it is (a sweep's point)
         self.tracker = Tracker(cfg, run, group)
+        self.run = run
+        self.said_at = time.monotonic()  # when the console last said something of the run
 
     def poll(self) -> None:
         for record in self.tail.read():
             self.tracker.log(record)
             text = self.console.line(record)
+            if text:
+                self.said_at = time.monotonic()
             if text and self.echo:
                 print(self.prefix + text, flush=True)
+        quiet = time.monotonic() - self.said_at
+        if self.echo and quiet > QUIET_S:
+            self.said_at = time.monotonic()
+            print(self.prefix + waiting_line(self.run, quiet), flush=True)
 
     def close(self, exit_code: int = 0) -> str:
         """Log what is left and end the wandb run (also when what is left cannot be followed:

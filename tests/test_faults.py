@@ -222,6 +222,20 @@ def test_interrupted_run_resumes_with_continuous_history_and_extends(
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert (run_dir / "config.yaml").read_text() == config
+    # The refusal's way on runs as printed: a new run from the newest weights, no warm-up.
+    way_on = re.search(r"start a new run from its weights: (.*)$", refused_lr := resume(
+        run_dir, cache, "algorithm.lr=0.1").stderr.strip())  # fmt: skip
+    assert way_on, refused_lr
+    branched = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *way_on.group(1).split(), "algorithm.lr=0.1",
+         "dry_run=true"], cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert branched.returncode == 0, branched.stderr
+    assert f"note: model.path={run_dir}: run {run_dir}'s version {hint.group(2)}" in (
+        branched.stdout
+    )
+    assert "note: no supervised warm-up" in branched.stdout and ", no warm-up," in branched.stdout
+    assert not (run_dir / "export").exists()  # a dry run writes nothing
     # Nor does config.yaml edited by hand: refused, naming the key.
     head, algorithm = config.split("\nalgorithm:\n", 1)
     edited = head + "\nalgorithm:\n" + algorithm.replace("  lr: 0.0003", "  lr: 0.5", 1)
@@ -258,6 +272,25 @@ def test_interrupted_run_resumes_with_continuous_history_and_extends(
     trainer = (run_dir / "logs" / "trainer.log").read_text()
     assert f"continuing at step {STEPS + 1}" in trainer
     assert (run_dir / "summary.json").exists()
+    # A new run from one of its steps that only a checkpoint holds: exported, then trained
+    # on; its version 0 is that step's policy.
+    branch = tmp_path / "branch"
+    out = subprocess.run(
+        rl(branch, cache, f"model.path={run_dir}/step_{STEPS}", "max_steps=2"),
+        cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    exported = run_dir / "export" / f"step_{STEPS}"
+    assert f"exporting {run_dir}'s step {STEPS} to {exported}" in out.stdout
+    branch_log = (branch / "logs" / "trainer.log").read_text()
+    assert f"weights read from {exported}" in branch_log and "warmup step" not in branch_log
+
+    def exact(run: Path, version: int) -> float:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return next(r["eval/exact_match"] for r in map(json.loads, lines)
+                    if "eval/exact_match" in r and r["step"] == version)  # fmt: skip
+
+    assert exact(branch, 0) == exact(run_dir, STEPS)  # the same policy, scored alike
     assert_no_process_left(run_dir)
 
 

@@ -185,7 +185,7 @@ LAUNCHER_LAYERS = (
     ("launcher.balance",),
     ("launcher.tracking", "launcher.sizing", "launcher.help"),
     ("launcher.estimates", "launcher.vllm_args", "launcher.slurm_jobs"),
-    ("launcher.checks",),
+    ("launcher.checks", "launcher.branch"),
     ("launcher.plan",),
     ("launcher.run_dir", "launcher.processes", "launcher.slurm_cli"),
     ("launcher.sweep_summary",),

@@ -195,6 +195,8 @@ def test_local_fsdp_two_cpu_processes() -> None:
         ),
         (["algorithm.async_level=9"], "algorithm.async_level=9: must be >= 0 and <="),
         (["algorithm.temperature=0"], "algorithm.temperature=0: greedy sampling gives the 8"),
+        (["eval.samples=4"], "eval.samples=4: greedy evaluation (eval.temperature=0) gives one"),
+        (["sweep.metric=wall_s"], "sweep.metric=wall_s: valid: eval/exact_match/last, "),
         (  # the README's wordle command gives it model.inference.max_model_len=512
             ["environment=wordle"],
             "environment=wordle: 6 turns an episode, but the served length 128 cannot hold two",

@@ -138,6 +138,10 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
     step_lines = [x for x in lines if x.startswith("step ")]
     assert len(step_lines) == 20 and all(" tok/s  gen " in x for x in step_lines)
     assert "ETA " in step_lines[-1] and " since version " in stdout
+    assert all("  signal " in x and "  clipped " in x for x in step_lines)
+    # The orchestrator says where the batch it makes stands: what a quiet console reports.
+    generating = json.loads((run_dir / ".relay" / "generating.json").read_text())
+    assert generating["batch"] >= 19 and generating["want"] == 32, generating
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 20
     assert "max_steps=20" in summary["overrides"]
@@ -233,7 +237,8 @@ def test_async_level_0_trains_only_on_policy_at_the_scheduled_lr(
 ) -> None:
     """On-policy, with a learning-rate warm-up and schedule and two optimiser steps a batch."""
     schedule = ("algorithm.lr_schedule=linear", "algorithm.lr_warmup_steps=2",
-                "algorithm.updates_per_batch=2")  # fmt: skip
+                "algorithm.updates_per_batch=2", "eval.samples=4", "eval.temperature=1.0",
+                "environment.eval_every=2")  # fmt: skip
     records = run_to_end(
         tmp_path / "run", cache, "max_steps=5", "algorithm.async_level=0", *schedule,
         WANDB_MODE="disabled",
@@ -246,6 +251,15 @@ def test_async_level_0_trains_only_on_policy_at_the_scheduled_lr(
     lr = [r["lr"] / 3e-4 for r in train]
     assert lr == pytest.approx([0.5, 1.0, 1.0, 2 / 3, 1 / 3]), lr
     assert [r["optimizer/steps"] for r in train] == [2, 4, 6, 8, 10]  # AdamW's own count
+    # Four sampled answers a held-out prompt: mean@4 as exact match, and pass@4 beside it.
+    evals = [r for r in records if "eval/exact_match" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4, 5] and all(r["eval/k"] == 4 for r in evals)
+    assert all(r["eval/pass_at_k"] >= r["eval/exact_match"] for r in evals)
+    assert any(r["eval/pass_at_k"] > r["eval/exact_match"] for r in evals)  # they differ
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    best = max(evals, key=lambda r: r["eval/exact_match"])
+    assert summary["eval/best_version"] == best["step"]
+    assert summary["eval/pass_at_k/last"] == evals[-1]["eval/pass_at_k"]
 
 
 def test_async_level_1_overlaps_generation_with_training(tmp_path: Path, cache: Path) -> None:
@@ -396,7 +410,13 @@ def test_a_sweep_over_seeds_shares_its_base_and_groups_its_table(
     rows = [x for x in table.splitlines() if x[:3] in ("| 0", "| 1", "| 2", "| 3")]
     assert len(rows) == 4 and "`algorithm.lr=0.001 seed=0`" in rows[0]
     assert "| `algorithm.lr=0.001` | 2 |" in table and "| `algorithm.lr=0.0003` | 2 |" in table
-    assert "Best: `algorithm.lr=" in table
+    # Each group against the version-0 eval its runs started from, and two seeds are warned
+    # of: their spread is a guess (a 40-step sweep's points all ended at or below version 0).
+    assert "| eval exact (version 0) | eval exact (last) |" in table
+    assert "| gain over version 0 |" in table
+    assert "warning: fewer than 3 seeds in `algorithm.lr=0.001` (2), `algorithm.lr=0.0003`" in table
+    assert "Best by eval/exact_match/last: `algorithm.lr=" in table
+    assert "Welch's t-test over the seeds (n=2 vs 2): p=" in table
     assert (sweep / "sweep.png").stat().st_size > 10_000
     assert f"sweep summary: {sweep / 'sweep_summary.md'}" in out.stdout
 

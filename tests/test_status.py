@@ -94,16 +94,23 @@ def test_status_answers_without_hydra_numpy_or_torch(tmp_path: Path) -> None:
     assert not fast_status(["action=cancel", f"run_dir={run.root}"])
 
 
-def test_a_groups_lead_is_judged_against_the_spread_across_seeds() -> None:
-    from launcher.sweep_summary import verdict
+def test_a_groups_lead_is_judged_by_welchs_t_test_over_the_seeds() -> None:
+    from launcher.sweep_summary import incomplete_beta, verdict
 
     clear = verdict({"lr=a": [0.70, 0.72, 0.71], "lr=b": [0.50, 0.52, 0.49]})
-    assert clear.startswith("Best: `lr=a` (last eval 0.710); its lead over `lr=b` is 0.207")
-    assert "larger than the spread across seeds (sd 0.015): a real lead" in clear
-    noisy = verdict({"lr=a": [0.80, 0.60, 0.70], "lr=b": [0.65, 0.66, 0.64]})
-    assert "Best: `lr=a`" in noisy and "within the spread across seeds (sd 0.100)" in noisy
+    assert clear.startswith(
+        "Best by eval/exact_match/last: `lr=a` (0.710); its lead over `lr=b` is 0.207; "
+        "Welch's t-test over the seeds (n=3 vs 3): p=0.000"
+    )
+    assert clear.endswith("a real lead at p < 0.05.")
+    noisy = verdict({"lr=a": [0.80, 0.60, 0.70], "lr=b": [0.65, 0.66, 0.64]}, "reward/last")
+    assert noisy.startswith("Best by reward/last: `lr=a`") and "p=0.478" in noisy
+    assert noisy.endswith("not told apart from noise at p < 0.05.")
     assert "one seed a side" in verdict({"a": [0.7], "b": [0.6]})
     assert verdict({"a": [0.7]}).startswith("One group")
+    # Student's t at its tabled two-sided 5% points: 12.706 (1 df), 2.776 (4), 2.228 (10).
+    for df, t in ((1, 12.706), (4, 2.776), (10, 2.228)):
+        assert incomplete_beta(df / (df + t * t), df / 2, 0.5) == pytest.approx(0.05, abs=2e-4)
 
 
 def test_the_plot_is_titled_by_the_run_and_shows_each_evals_standard_error(tmp_path: Path) -> None:

@@ -88,3 +88,25 @@ def test_a_tracker_whose_wandb_service_died_stops_with_a_warning_and_no_tracebac
     assert "warning: wandb stopped logging" in done.stdout, done.stdout
     assert "mode: offline (stopped:" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr + done.stdout, done.stderr
+
+
+def test_a_quiet_run_says_what_it_waits_for(tmp_path: Path) -> None:
+    """Agents that hang or score 0: after the version-0 eval the console printed nothing for
+    over 5 minutes while every group tied and was refilled; only the orchestrator's log said
+    why. After QUIET_S seconds without a line, the console says it in one."""
+    import json
+    import time
+
+    from launcher.tracking import waiting_line
+    from rl.core.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    run.internal.mkdir(parents=True)
+    assert waiting_line(run, 61) == "nothing new for 61 s: no batch is being generated yet"
+    progress = {"batch": 0, "round": 3, "with_signal": 2, "want": 8, "tied": 21,
+                "episodes": 64, "failed": 6, "since": time.time() - 120}  # fmt: skip
+    run.generating.write_text(json.dumps(progress))
+    said = waiting_line(run, 300)
+    assert said.startswith("nothing new for 300 s: batch 0 is in fill round 3 (for 12")
+    assert "2 of 8 groups with signal so far, 21 dropped without signal" in said
+    assert "6 episodes that failed or timed out" in said and "\n" not in said

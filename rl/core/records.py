@@ -465,9 +465,13 @@ class EvalRecord:
     """Held-out prompts scored."""
     time_s: float
     """Seconds the evaluation took."""
+    k: int = 1
+    """Completions per prompt (`eval.samples`); above 1, `exact_match` is mean@k."""
+    pass_at_k: float | None = None
+    """With k above 1: share of prompts with at least one exact answer among the k."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        record = {
             "kind": RecordKind.eval.value,
             "step": self.step,
             "eval/exact_match": self.exact_match,
@@ -475,6 +479,9 @@ class EvalRecord:
             "eval/samples": self.samples,
             "time/eval": self.time_s,
         }
+        if self.k > 1:
+            record |= {"eval/k": self.k, "eval/pass_at_k": self.pass_at_k}
+        return record
 
 
 @dataclass

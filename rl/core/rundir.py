@@ -692,6 +692,12 @@ class RunDir:
         return self.control / "checkpoint-request"
 
     @property
+    def generating(self) -> Path:
+        """The orchestrator's progress on the batch it is making (`Progress`), for the console
+        to say what a run waits for when no step ends."""
+        return self.internal / "generating.json"
+
+    @property
     def checkpointed(self) -> Path:
         """The trainer's answer to a checkpoint request: the step it checkpointed."""
         return self.control / "checkpointed"

@@ -146,6 +146,7 @@ BUILT_IN = {
     "verifiers": "rl.envs.verifiers_env:VerifiersEnvironment",
     "code_repair": "rl.envs.code_repair:CodeRepair",
     "agent": "rl.orchestrator.agents:AgentEnvironment",
+    "dataset": "rl.envs.dataset:Dataset",
 }
 
 
@@ -208,6 +209,34 @@ def make_environment(env_cfg: Any) -> Environment:
             f"rl.envs.Environment, which an entry point of {ENTRY_POINT_GROUP} must name"
         )
     return cls(env_cfg)
+
+
+def load_callable(spec: str, key: str, roots: tuple[Path, ...] = ()) -> Any:
+    """The user's function that `spec` names, `package.module:function` or
+    `path/to/file.py:function` (a file found as given, else under one of `roots`); a
+    ValueError naming `key` (the setting that gave it) when it cannot be had."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{key}={spec!r}: expected module:function or file.py:function")
+    try:
+        if where.endswith(".py"):
+            places = (Path(where), *(root / where for root in roots))
+            path = next((p for p in places if p.is_file()), None)
+            if path is None:
+                raise ValueError(f"{key}={spec!r}: no file {where}")
+            found = importlib.util.spec_from_file_location(f"relay_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+            found.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's module: any error it raises on import
+        raise ValueError(f"{key}={spec!r}: importing {where} failed: {exc!r}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"{key}={spec!r}: {name} is not a function of {where}")
+    return function
 
 
 def check_args(args: dict[str, Any], defaults: Any) -> Any:

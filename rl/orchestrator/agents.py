@@ -51,13 +51,12 @@ import subprocess
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rl.core.auth import without_credentials
 from rl.core.paths import ROOT
 from rl.core.records import Episode
-from rl.envs import Environment, Example, check_args, make_environment
+from rl.envs import Environment, Example, check_args, load_callable, make_environment
 from rl.orchestrator.agent_proxy import AgentProxy, Session
 
 log = logging.getLogger("orchestrator")
@@ -132,31 +131,9 @@ class Transcript(list):
 
 
 def load_agent(spec: str) -> Any:
-    """The callable `module:function` or `path/to/file.py:function` names."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ValueError(
-            f"environment.args.agent={spec!r}: expected module:function or file.py:function"
-        )
-    if where.endswith(".py"):
-        path = next((p for p in (Path(where), ROOT / where) if p.is_file()), None)
-        if path is None:
-            raise ValueError(f"environment.args.agent={spec!r}: no file {where} here or in {ROOT}")
-    try:
-        if where.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(f"relay_agent_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except Exception as exc:  # the user's module: any error it raises on import
-        raise ValueError(
-            f"environment.args.agent={spec!r}: importing {where} failed: {exc!r}"
-        ) from None
-    agent = getattr(module, name, None)
-    if not callable(agent):
-        raise ValueError(f"environment.args.agent={spec!r}: {name} is not a function of {where}")
-    return agent
+    """The callable `module:function` or `path/to/file.py:function` names (a file as given,
+    else under the checkout)."""
+    return load_callable(spec, "environment.args.agent", (ROOT,))
 
 
 def run_callable(agent: Any, task: Task, timeout: float) -> tuple[Any, str]:

@@ -83,6 +83,8 @@ class Fill:
     versions: set[int] = field(default_factory=set)
     first_round_signal: float | None = None
     """Share of the first round's groups with signal (with the zero-advantage filter)."""
+    generated_none: int = 0
+    """Episodes that reached no model turn (an agent that failed or timed out)."""
 
     @property
     def size(self) -> int:
@@ -173,20 +175,26 @@ class Orchestrator:
             self.evaluate()
 
     def evaluate(self) -> None:
+        """The held-out prompts, `eval.samples` completions each at `eval.temperature`: exact
+        match and reward over every completion, and with several, pass@k over the prompts."""
         examples = self.env.eval_examples()
+        k, temperature = self.cfg.eval.samples, self.cfg.eval.temperature
         t0 = time.monotonic()
-        episodes = self.rollouts(examples, 1, 0.0, "eval", self.version)
-        scored = [(e, p.completion) for e, p in zip(examples, episodes, strict=True) if p]
-        rewards = [self.env.score(e, c) for e, c in scored]  # no model turn: 0, not solved
-        rewards += [0.0] * (len(examples) - len(scored))
-        exact = [self.env.exact_match(e, c) for e, c in scored]
-        exact += [False] * (len(examples) - len(scored))
+        episodes = self.rollouts(examples, k, temperature, "eval", self.version)
+        plays = [e for e in examples for _ in range(k)]
+        # An episode without a model turn scores 0 and solves nothing.
+        played = list(zip(plays, episodes, strict=True))
+        rewards = [self.env.score(e, p.completion) if p else 0.0 for e, p in played]
+        exact = [bool(p) and self.env.exact_match(e, p.completion) for e, p in played]
+        solved = [any(exact[i * k : (i + 1) * k]) for i in range(len(examples))]
         record = EvalRecord(
             step=self.version,
             exact_match=sum(exact) / len(exact),
             reward_mean=sum(rewards) / len(rewards),
             samples=len(examples),
             time_s=time.monotonic() - t0,
+            k=k,
+            pass_at_k=sum(solved) / len(solved),
         )
         self.run_dir.append_metrics(record.to_json())
         self.log.info(
@@ -248,11 +256,22 @@ class Orchestrator:
                 break
             examples = rng.sample(pool, self.draw(missing, round_, len(pool)))
             last = round_ == MAX_FILL_ROUNDS
+            self.say_progress(step, round_, fill, want, len(examples))
             with_signal = self.fill_round(fill, examples, want, last, "train", step, round_)
             if self.cfg.algorithm.filter_zero_advantage and round_ == 1:  # the first sets it
                 fill.first_round_signal = with_signal / len(examples)
                 self.learn_signal_share(fill.first_round_signal)
         return fill
+
+    def say_progress(self, step: int, round_: int, fill: Fill, want: int, prompts: int) -> None:
+        """Where batch `step` stands as a fill round starts (rundir `generating`): what the
+        console says when no step has ended for a while."""
+        progress = {
+            "batch": step, "round": round_, "with_signal": fill.size, "want": want,
+            "tied": fill.filtered, "episodes": prompts * self.cfg.environment.group_size,
+            "failed": fill.generated_none, "since": time.time(),
+        }  # fmt: skip
+        write_atomic(self.run_dir.generating, json.dumps(progress))
 
     def carried_into(self, step: int) -> list[Group]:
         """The last batch's surplus groups that batch `step` may still train on: the queue
@@ -311,6 +330,7 @@ class Orchestrator:
         n = env_cfg.group_size
         episodes = self.rollouts(examples, n, algo.temperature, *where)
         fill.generated += sum(e is not None for e in episodes)
+        fill.generated_none += sum(e is None for e in episodes)
         fill.versions |= {e.min_version for e in episodes if e}
         with_signal = 0
         for i, example in enumerate(examples):

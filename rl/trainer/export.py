@@ -21,6 +21,23 @@ from rl.core.rundir import RunDir, is_complete, step_versions
 
 def export(run: RunDir, step: int | None = None) -> Path:
     """Step `step`'s weights (None: the newest published version) as a full HF checkpoint."""
+    step, target = export_target(run, step)
+    if not is_complete(target):
+        published = run.weights_for(step)
+        model, tokenizer = (
+            _merged(run, published) if step in run.published_versions() else _restored(run, step)
+        )
+        from rl.core.model import publish_weights
+
+        target.parent.mkdir(exist_ok=True)
+        publish_weights(model, tokenizer, target)
+    return target
+
+
+def export_target(run: RunDir, step: int | None = None) -> tuple[int, Path]:
+    """The step `export` takes (None: the newest published version) and where its full HF
+    weights are or will be, writing nothing; a ValueError naming what the run holds when it
+    has no such step."""
     versions, kept = run.published_versions(), step_versions(run.checkpoints)
     if step is None:
         if not versions:
@@ -28,20 +45,13 @@ def export(run: RunDir, step: int | None = None) -> Path:
         step = versions[-1]
     published = run.weights_for(step)
     if step in versions and not is_adapter_dir(published):
-        return published
+        return step, published
     if step not in versions and step not in kept:
         raise ValueError(
             f"step={step}: {run.root} holds neither a published version nor a checkpoint of "
             f"that step (published: {versions or 'none'}; checkpoints: {kept or 'none'})"
         )
-    target = run.root / "export" / published.name
-    if not is_complete(target):
-        model, tokenizer = _merged(run, published) if step in versions else _restored(run, step)
-        from rl.core.model import publish_weights
-
-        target.parent.mkdir(exist_ok=True)
-        publish_weights(model, tokenizer, target)
-    return target
+    return step, run.root / "export" / published.name
 
 
 def _merged(run: RunDir, adapter: Path) -> tuple[Any, Any]:

@@ -315,7 +315,7 @@ class Trainer:
         return int(most.item())
 
     def train_step(
-        self, step: int, samples: list[Sample], micro_batches: list[list[int]]
+        self, samples: list[Sample], micro_batches: list[list[int]], step: int
     ) -> dict[str, float]:
         """Step `step`'s `algorithm.updates_per_batch` optimiser steps over this rank's samples
         (the queue's packed micro-batches dealt out over as many mini-batches), at the
@@ -601,7 +601,7 @@ class Trainer:
             assert batch is not None
             t_fetch = time.monotonic() - t0
             train_start = time.time()
-            stats = self.train_step(step, batch.samples, batch.micro_batches)
+            stats = self.train_step(batch.samples, batch.micro_batches, step)
             t_train = time.monotonic() - t0 - t_fetch
             train_end = time.time()  # before the publish, which lets the next batch start
             self.publish(step + 1)

@@ -108,7 +108,7 @@ def one_step(rank: int, world: int, init_file: str, run_dir: str, out: str) -> N
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        stats = trainer.train_step(mine, [list(range(len(mine)))])
+        stats = trainer.train_step(mine, [list(range(len(mine)))], 0)
     # The trainer reports the whole batch's loss on every rank (not this rank's part).
     loss = torch.tensor([stats["loss"]])
     grads = full_gradients(trainer)
@@ -134,7 +134,7 @@ def uneven_micro_batches(rank: int, world: int, init_file: str, run_dir: str, ou
     trainer = _trainer(rank, world, init_file, run_dir)
     mine = _mine(synthetic_samples(8, seed=0), trainer)
     parts = [[i] for i in range(len(mine))] if rank == 0 else [list(range(len(mine)))]
-    trainer.train_step(mine, parts)
+    trainer.train_step(mine, parts, 0)
     grads = full_gradients(trainer)
     if rank == 0:
         torch.save({"grads": grads}, out)
@@ -159,7 +159,7 @@ def _train(trainer: Trainer, rank: int, first: int, last: int, save: Callable) -
     hands `save` each step's whole state."""
     for step in range(first, last + 1):
         batch = _mine(synthetic_samples(8, seed=step), trainer)
-        trainer.train_step(batch, [list(range(len(batch)))])
+        trainer.train_step(batch, [list(range(len(batch)))], step - 1)
         if step == 2:
             trainer.checkpoint(step)
             trainer.publish(step)
@@ -218,8 +218,8 @@ def adam_steps(rank: int, world: int, init_file: str, run_dir: str, out: str, st
                 local_tensor(param).copy_(whole[local_region(param)])
     before = {n: _whole(p) for n, p in trained.items()}
     batch = _mine(synthetic_samples(8, seed=0), trainer)
-    for _ in range(steps):
-        trainer.train_step(batch, [list(range(len(batch)))])
+    for step in range(steps):
+        trainer.train_step(batch, [list(range(len(batch)))], step)
     after = {n: _whole(p) for n, p in trained.items()}
     moments = [s for state in trainer.optimizer.state.values() for s in state.values()]
     moments = [local_tensor(m) for m in moments if isinstance(m, torch.Tensor) and m.dim()]
@@ -263,7 +263,7 @@ def checkpointed_steps(
     ids = torch.tensor([[1, 10, 11, 12, 13, 14]])
     saved = {}
     for step in range(1, steps + 1):
-        trainer.train_step(batch, [list(range(len(batch)))])
+        trainer.train_step(batch, [list(range(len(batch)))], step - 1)
         trainer.checkpoint(step)
         weights = {n: _whole(p) for n, p in trainer.model.named_parameters()}
         with torch.no_grad():
