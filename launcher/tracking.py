@@ -72,6 +72,7 @@ class Tracker:
     def __init__(self, cfg: Any, run: RunDir, group: str | None = None) -> None:
         self.mode = wandb_mode(cfg)
         self.wandb_run: Any = None
+        self.run = run
         if self.mode == "disabled":
             return
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -116,9 +117,24 @@ class Tracker:
         if kind_of(record) == RecordKind.warmup:
             numbers["warmup/step"] = numbers.pop("step")
         try:
+            if kind_of(record) == RecordKind.eval:
+                numbers |= self.completions(record["step"])
             self.wandb_run.log(numbers)
         except Exception as err:  # noqa: BLE001 - see above
             self.give_up(err)
+
+    def completions(self, version: int) -> dict[str, Any]:
+        """The eval's first completions (rollouts/eval_N.jsonl) as a wandb table, under
+        `eval/completions`; none where the orchestrator kept none."""
+        import wandb
+
+        try:
+            rows = [json.loads(line) for line in self.run.eval_samples(version).open()]
+        except (OSError, ValueError):
+            return {}
+        columns = ["version", "prompt", "answer", "completion", "reward", "exact"]
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        return {"eval/completions": table}
 
     def finish(self, exit_code: int = 0) -> None:
         """End the wandb run and its service process now, not at exit (where a service that

@@ -64,6 +64,9 @@ def test_backend_length_lr_and_broadcast_backend() -> None:
     assert max_model_len(compose_run("model.inference.max_model_len=77")) == 77
     assert learning_rate(cpu) == cpu.model.lr
     assert learning_rate(compose_run("algorithm.lr=1e-5")) == 1e-5
+    # LoRA trains at ten times the model's rate unless a rate is given (the README's 3e-3).
+    assert learning_rate(compose_run("model.lora.rank=8")) == 3e-3  # model=tiny: 3e-4
+    assert learning_rate(compose_run("model.lora.rank=8", "algorithm.lr=1e-3")) == 1e-3
 
 
 def test_the_learning_rate_rises_over_its_warm_up_then_follows_its_schedule() -> None:

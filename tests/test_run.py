@@ -140,6 +140,10 @@ def test_run_directory_and_metrics_logged_live(tmp_path: Path, cache: Path) -> N
     assert "ETA " in step_lines[-1] and " since version " in stdout
     assert all("  signal " in x and "  clipped " in x for x in step_lines)
     # The orchestrator says where the batch it makes stands: what a quiet console reports.
+    # Each eval keeps its first completions, and wandb gets them as a table.
+    kept = [json.loads(x) for x in (run_dir / "rollouts" / "eval_0.jsonl").read_text().splitlines()]
+    assert len(kept) == 16 and {"prompt", "answer", "completion", "reward", "exact"} <= set(kept[0])
+    assert list(run_dir.glob("wandb/offline-run-*/files/media/table/eval/completions_*.table.json"))
     generating = json.loads((run_dir / ".relay" / "generating.json").read_text())
     assert generating["batch"] == 19 and generating["want"] == 8, generating  # SMALL
     summary = json.loads((run_dir / "summary.json").read_text())

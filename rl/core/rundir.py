@@ -11,6 +11,7 @@ reads; what the processes keep for each other lives in `.relay/`:
     summary.json, reward.png   written when the run ends (status: finished, failed, ...)
     logs/<process>.log     each process's output
     rollouts/samples.jsonl samples kept for inspection
+    rollouts/eval_N.jsonl  the first completions of version N's held-out eval
     weights/step_N/        published policy versions (HF layout, SHA256SUMS of its files, then
                            COMPLETE written last)
     weights/PUBLISHED      the versions the trainer published and keeps: only these are loaded
@@ -410,6 +411,11 @@ class RunDir:
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics)
+
+    def eval_samples(self, version: int) -> Path:
+        """The first completions of version `version`'s held-out eval, for inspection (and
+        wandb's table of them)."""
+        return self.root / "rollouts" / f"eval_{version}.jsonl"
 
     def append_rollout(self, record: dict[str, Any]) -> None:
         self.rollouts.parent.mkdir(exist_ok=True)

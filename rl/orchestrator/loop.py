@@ -65,6 +65,10 @@ def score_bounds(cfg: RunConfig, reward_range: tuple[float, float], max_len: int
     return ScoreBounds((float(low), float(high)), bound)
 
 
+EVAL_SAMPLES_KEPT = 16
+"""Completions of each held-out eval kept for inspection (rollouts/eval_N.jsonl)."""
+
+
 @dataclass
 class Fill:
     """A batch as its rounds fill it: the groups an earlier batch carried into it, the groups
@@ -187,6 +191,7 @@ class Orchestrator:
         rewards = [self.env.score(e, p.completion) if p else 0.0 for e, p in played]
         exact = [bool(p) and self.env.exact_match(e, p.completion) for e, p in played]
         solved = [any(exact[i * k : (i + 1) * k]) for i in range(len(examples))]
+        self.save_eval_samples(played[:EVAL_SAMPLES_KEPT], rewards, exact)
         record = EvalRecord(
             step=self.version,
             exact_match=sum(exact) / len(exact),
@@ -204,6 +209,19 @@ class Orchestrator:
             record.reward_mean,
         )
         self.last_eval = self.version
+
+    def save_eval_samples(
+        self, played: list[tuple[Example, Episode | None]], rewards: list[float], exact: list[bool]
+    ) -> None:
+        """The eval's first completions with their scores (`rollouts/eval_N.jsonl`)."""
+        rows = [
+            {"version": self.version, "prompt": e.prompt, "answer": e.answer,
+             "completion": p.text if p else "", "reward": r, "exact": x}
+            for (e, p), r, x in zip(played, rewards, exact, strict=False)
+        ]  # fmt: skip
+        path = self.run_dir.eval_samples(self.version)
+        path.parent.mkdir(exist_ok=True)
+        write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
     def generate(self, step: int) -> None:
         """Generate, score and push batch `step`: prompts_per_step groups with signal."""
