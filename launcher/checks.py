@@ -172,7 +172,7 @@ def check_environment(cfg: DictConfig) -> None:
             from rl.orchestrator.agents import check_config
 
             check_config(cfg.environment)
-        if cfg.environment.name == "dataset":  # its file and reward functions load now
+        if cfg.environment.name in ("dataset", "mix"):  # its file, functions or members load
             from rl.envs import make_environment
 
             make_environment(cfg.environment)

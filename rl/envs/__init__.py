@@ -147,6 +147,7 @@ BUILT_IN = {
     "code_repair": "rl.envs.code_repair:CodeRepair",
     "agent": "rl.orchestrator.agents:AgentEnvironment",
     "dataset": "rl.envs.dataset:Dataset",
+    "mix": "rl.envs.mix:Mix",
 }
 
 
