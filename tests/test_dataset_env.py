@@ -5,14 +5,12 @@ run through the launcher on docs/environments.md's example."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rl.envs import make_environment
-from tests.support.runs import ROOT, child_env, compose_run
+from tests.support.runs import ROOT, compose_run, run_to_end
 
 EXAMPLE = ROOT / "docs" / "examples" / "dataset"
 REWARDS = [f"{EXAMPLE / 'rewards.py'}:letters_in_place", f"{EXAMPLE / 'rewards.py'}:no_longer"]
@@ -88,21 +86,17 @@ def test_a_reward_function_out_of_range_stops_with_its_name(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_a_short_run_trains_on_the_documented_example(tmp_path: Path) -> None:
-    """docs/environments.md's command, 3 steps, from another directory: the file and the
-    functions are found by the roles, and each function's mean is logged."""
+    """docs/environments.md's command, 3 steps: the roles find the file and the functions
+    (made absolute), and each function's mean is logged."""
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", f"hydra.run.dir={run_dir}", "environment=dataset",
-         "environment.args.path=docs/examples/dataset/words.jsonl",
-         "environment.args.rewards=[docs/examples/dataset/rewards.py:letters_in_place,"
-         "docs/examples/dataset/rewards.py:no_longer]",
-         "environment.args.reward_weights=[0.8,0.2]", "environment.max_tokens=12",
-         "max_steps=3", "warmup.steps=10"],
-        cwd=ROOT, env=child_env(tmp_path / "cache", WANDB_MODE="disabled"), capture_output=True,
-        text=True, timeout=600,
+    records = run_to_end(
+        run_dir, tmp_path / "cache", "environment=dataset",
+        "environment.args.path=docs/examples/dataset/words.jsonl",
+        "environment.args.rewards=[docs/examples/dataset/rewards.py:letters_in_place,"
+        "docs/examples/dataset/rewards.py:no_longer]",
+        "environment.args.reward_weights=[0.8,0.2]", "environment.max_tokens=12", "max_steps=3",
+        WANDB_MODE="disabled",
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:

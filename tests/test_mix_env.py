@@ -3,9 +3,6 @@ by the environment it came from; a short run through the launcher logs each memb
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +10,7 @@ import pytest
 
 from rl.envs import make_environment
 from rl.envs.mix import MEMBER
-from tests.support.runs import ROOT, child_env, compose_run
+from tests.support.runs import compose_run, run_to_end
 
 
 def test_members_are_drawn_by_weight_and_score_their_own_prompts() -> None:
@@ -49,15 +46,11 @@ def test_a_mix_it_cannot_make_is_refused(members: str, message: str) -> None:
 
 @pytest.mark.slow
 def test_a_short_mixed_run_logs_each_members_reward(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", f"hydra.run.dir={run_dir}", "environment=mix",
-         "max_steps=3", "warmup.steps=10", "environment.eval_size=20"],
-        cwd=ROOT, env=child_env(tmp_path / "cache", WANDB_MODE="disabled"), capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_to_end(tmp_path / "run", tmp_path / "cache", "environment=mix", "max_steps=3",
+                         "environment.prompts_per_step=32", WANDB_MODE="disabled")  # fmt: skip
     train = [r for r in records if r.get("kind") == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert all("env/reverse_text/reward" in r and "env/arithmetic/reward" in r for r in train)
+    # Each member's groups that had signal were trained on (tied ones, as an untrained model's
+    # arithmetic mostly is, are dropped), and their rewards logged by member.
+    logged = {k for r in train for k in r if k.startswith("env/")}
+    assert logged == {"env/reverse_text/reward", "env/arithmetic/reward"}, logged
