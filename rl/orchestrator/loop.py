@@ -289,6 +289,7 @@ class Orchestrator:
             "tied": fill.filtered, "episodes": prompts * self.cfg.environment.group_size,
             "failed": fill.generated_none, "since": time.time(),
         }  # fmt: skip
+        self.run_dir.generating.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.run_dir.generating, json.dumps(progress))
 
     def carried_into(self, step: int) -> list[Group]:
