@@ -19,7 +19,7 @@ from typing import Any
 
 from launcher.report import exact_match_se
 from rl.core.kinds import RecordKind, kind_of
-from rl.core.rundir import RunDir, write_atomic
+from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
 ETA_WINDOW = 20
 QUIET_S = 60.0
@@ -128,9 +128,8 @@ class Tracker:
         `eval/completions`; none where the orchestrator kept none."""
         import wandb
 
-        try:
-            rows = [json.loads(line) for line in self.run.eval_samples(version).open()]
-        except (OSError, ValueError):
+        rows = read_jsonl(self.run.eval_samples(version))
+        if not rows:
             return {}
         columns = ["version", "prompt", "answer", "completion", "reward", "exact"]
         table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
