@@ -39,6 +39,7 @@ from launcher.processes import (
     RunFailed,
     check_children,
     expand,
+    signal_group,
     spawn,
     stop_children,
 )
@@ -47,7 +48,7 @@ from launcher.run_dir import prepare_run_dir
 from launcher.tracking import Follow
 from rl.core.disk import DiskFull
 from rl.core.rundir import RunDir, write_atomic
-from rl.core.runtime import RUN_DIR_ENV
+from rl.core.runtime import CHECKPOINT_ON_TERM_ENV, RUN_DIR_ENV
 
 WALL_EVERY_S = 5.0  # how often the run's wall time so far is saved (for a resume's summary)
 
@@ -57,6 +58,8 @@ def start_children(run_plan: RunPlan, run: RunDir, token: str) -> list[Child]:
     for spec in run_plan.processes:
         values = {RUN_DIR_ENV: str(run.root)}
         env = {**os.environ, **spec.env, "RELAY_TOKEN": token, **values}
+        if spec.role == "trainer":  # a SIGTERM ends its wait for a batch (Ctrl-C, below)
+            env[CHECKPOINT_ON_TERM_ENV] = "1"
         argv = expand(spec.argv, values)
         children.append(spawn(spec.name, spec.role, argv, env, run.log(spec.name)))
     return children
@@ -205,6 +208,14 @@ def resume_command(run: RunDir) -> str:
     return f"to resume at {run.resume_point()}: uv run rl {override('resume', run.root)}"
 
 
+def read_waiting(run: RunDir) -> int | None:
+    """The batch the trainer waits for (None: it is not waiting, or has not said)."""
+    try:
+        return int(run.trainer_waiting.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def checkpoint_on_interrupt(run: RunDir, children: list[Child], budget_s: float) -> None:
     """Ask the trainer to checkpoint the step under way and stop, and wait for it (up to
     `budget_s`), unless a second Ctrl-C says to stop at once."""
@@ -212,14 +223,17 @@ def checkpoint_on_interrupt(run: RunDir, children: list[Child], budget_s: float)
     if not trainers:
         print("interrupted: stopping every role", file=sys.stderr, flush=True)
         return
-    print(
-        "interrupted: the trainer checkpoints the step under way, then every role stops "
-        "(Ctrl-C again to stop at once)",
-        file=sys.stderr,
-        flush=True,
-    )
     run.control.mkdir(exist_ok=True)
     run.checkpoint_request.touch()
+    waiting = read_waiting(run)
+    if waiting is None:
+        said = "the trainer checkpoints the step under way, then every role stops"
+    else:  # no step under way: SIGTERM ends the wait (as Slurm's does), the checkpoint stays
+        said = (f"the trainer waits for batch {waiting}, no step under way: it checkpoints the "
+                "steps it trained and stops now, then every role stops")  # fmt: skip
+        for trainer in trainers:
+            signal_group(trainer, signal.SIGTERM)
+    print(f"interrupted: {said} (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + budget_s
     try:
         while time.monotonic() < deadline and any(c.proc.poll() is None for c in trainers):

@@ -149,7 +149,7 @@ class Liveness:
             file=sys.stderr,
             flush=True,
         )
-        _signal_group(child, signal.SIGKILL)
+        signal_group(child, signal.SIGKILL)
         child.proc.wait()
 
 
@@ -200,19 +200,19 @@ def _child_setup() -> None:
 def stop_children(children: list[Child]) -> None:
     """SIGTERM each child's process group, then SIGKILL what is left after a grace period."""
     for child in children:
-        _signal_group(child, signal.SIGTERM)
+        signal_group(child, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for child in children:
         try:
             child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        _signal_group(child, signal.SIGKILL)
+        signal_group(child, signal.SIGKILL)
         child.proc.wait()
         child.log_file.close()
 
 
-def _signal_group(child: Child, sig: signal.Signals) -> None:
+def signal_group(child: Child, sig: signal.Signals) -> None:
     try:
         os.killpg(child.proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -280,17 +280,21 @@ class Console:
 def waiting_line(run: RunDir, quiet_s: float) -> str:
     """One line on what a run that has said nothing for `quiet_s` seconds waits for: the
     batch the orchestrator is filling (rundir `generating`), its fill round, its groups with
-    signal so far and what it dropped."""
+    signal so far and what it dropped, and whether the trainer waits for a batch."""
     try:
         at = json.loads(run.generating.read_text())
     except (OSError, ValueError):
         return f"nothing new for {quiet_s:.0f} s: no batch is being generated yet"
+    try:
+        trainer = f"; the trainer waits for batch {int(run.trainer_waiting.read_text())}"
+    except (OSError, ValueError):
+        trainer = ""
     return (
         f"nothing new for {quiet_s:.0f} s: batch {at['batch']} is in fill round {at['round']} "
         f"(for {time.time() - at['since']:.0f} s, {at['episodes']} episodes): "
         f"{at['with_signal']} of {at['want']} groups with signal so far, {at['tied']} dropped "
         f"without signal (every sample scored alike) and {at['failed']} episodes that failed "
-        "or timed out (the orchestrator's log names them)"
+        f"or timed out (the orchestrator's log names them){trainer}"
     )
 
 

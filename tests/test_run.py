@@ -340,16 +340,35 @@ def test_a_launcher_killed_outright_takes_its_roles_with_it(tmp_path: Path, cach
     assert_no_process_left(run_dir)
 
 
-def test_ctrl_c_checkpoints_the_step_in_flight_and_stops_every_role(
+def test_ctrl_c_while_the_trainer_waits_checkpoints_at_once_and_stops_every_role(
     tmp_path: Path, cache: Path
 ) -> None:
-    """Ctrl-C keeps the steps trained: the trainer checkpoints the step under way (before, it
-    was stopped with them lost), then every role stops, with no traceback; a resume counts the
+    """Ctrl-C keeps the steps trained, and where the trainer only waits for a batch (agents
+    that hang: the batch may never come) it stops at once: the console said "the trainer
+    checkpoints the step under way" though none was, and the trainer saw the request only at
+    its next long poll. Then every role stops, with no traceback; a resume counts the
     checkpointed steps."""
     run_dir = tmp_path / "run"
-    code, stderr = interrupt_training(run_dir, cache, "launcher", signal.SIGINT)
+    launcher = start_long_run(run_dir, cache)
+    try:
+        pids = wait_for_training(run_dir, launcher)
+        os.killpg(pids["orchestrator"], signal.SIGSTOP)  # no batch comes: the trainer waits
+        waiting = RunDir(run_dir).trainer_waiting
+        deadline = time.monotonic() + 120
+        while not waiting.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        batch = int(waiting.read_text())
+        os.kill(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+        code = launcher.returncode
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert f"interrupted: the trainer waits for batch {batch}, no step under way" in stderr
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"SIGTERM while waiting for batch {batch}: stopping here" in trainer_log
     assert code == 130
-    assert "interrupted: the trainer checkpoints the step under way" in stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert_no_process_left(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())

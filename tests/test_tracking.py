@@ -110,3 +110,6 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path: Path) -> None:
     assert said.startswith("nothing new for 300 s: batch 0 is in fill round 3 (for 12")
     assert "2 of 8 groups with signal so far, 21 dropped without signal" in said
     assert "6 episodes that failed or timed out" in said and "\n" not in said
+    assert "trainer" not in said
+    run.trainer_waiting.write_text("0")
+    assert waiting_line(run, 300).endswith("; the trainer waits for batch 0")

@@ -704,6 +704,12 @@ class RunDir:
         return self.internal / "generating.json"
 
     @property
+    def trainer_waiting(self) -> Path:
+        """The batch the trainer waits for (its number), there only while it waits: no step is
+        under way then, so a Ctrl-C stops it at once (launcher/local.py)."""
+        return self.internal / "trainer-waiting"
+
+    @property
     def checkpointed(self) -> Path:
         """The trainer's answer to a checkpoint request: the step it checkpointed."""
         return self.control / "checkpointed"

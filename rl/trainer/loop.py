@@ -36,7 +36,7 @@ from rl.core.lora import enabled as lora_enabled
 from rl.core.lora import targets as lora_targets
 from rl.core.model import empty_model, ensure_checkpoint, load_tokenizer
 from rl.core.records import BatchShard, RunLimits, Sample, ScoreBounds, TrainRecord, WarmupRecord
-from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete
+from rl.core.rundir import RunDir, drop_records, is_complete, mark_complete, write_atomic
 from rl.core.runtime import (
     CHECKPOINT_ON_TERM_ENV,
     Peer,
@@ -240,6 +240,19 @@ class Trainer:
             "wait": wire.LONG_POLL_S,
             "micro_tokens": self.cfg.trainer.micro_batch_tokens,
         }
+        if self.rank == 0:
+            self.run_dir.trainer_waiting.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.run_dir.trainer_waiting, str(step))
+        try:
+            return self.wait_for(http, queue, step, params, deadline)
+        finally:
+            if self.rank == 0:
+                self.run_dir.trainer_waiting.unlink(missing_ok=True)
+
+    def wait_for(
+        self, http: httpx.Client, queue: Peer, step: int, params: dict, deadline: float
+    ) -> BatchShard | None:
+        """`fetch`'s long polls for batch `step`, until it comes, a stop or the deadline."""
         while True:
             try:
                 self.waiting = True
