@@ -156,7 +156,7 @@ def check_relations(cfg: DictConfig) -> None:
         )
     if cfg.sweep.metric not in SWEEP_METRICS:
         refuse(f"sweep.metric={cfg.sweep.metric}", f"valid: {', '.join(SWEEP_METRICS)}")
-    if algo.lr_warmup_steps >= cfg.max_steps:
+    if cfg.max_steps and algo.lr_warmup_steps >= cfg.max_steps:
         refuse(
             f"algorithm.lr_warmup_steps={algo.lr_warmup_steps}",
             f"the learning rate would never reach algorithm.lr within max_steps={cfg.max_steps}; "
@@ -176,6 +176,10 @@ def check_environment(cfg: DictConfig) -> None:
             from rl.envs import make_environment
 
             make_environment(cfg.environment)
+        if cfg.eval.environments:  # each option there and single-turn
+            from rl.envs.mix import eval_environments
+
+            eval_environments(list(cfg.eval.environments), cfg.environment)
         if cfg.environment.name == "verifiers":  # installed, or the run fails once started
             from rl.envs.verifiers_env import check_installed, parse_args
 

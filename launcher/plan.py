@@ -336,9 +336,10 @@ def plan_header(p: RunPlan, cfg: DictConfig, resume: RunDir | None = None) -> st
     `resume`, what its trainer picks up from rather than the warm-up it no longer runs."""
     replicas = cfg.parallel.inference.replicas
     inference = f"x{replicas}" + (" (shared by the sweep)" if cfg.inference.shared else "")
+    steps = (f"{cfg.max_steps} steps of {p.batch_size} samples" if cfg.max_steps else
+             "no RL step, an eval of version 0")  # fmt: skip
     return (
-        f"run {p.run_name} on cluster={p.cluster}: {cfg.max_steps} steps of "
-        f"{p.batch_size} samples, trainer world {p.trainer_world_size} "
+        f"run {p.run_name} on cluster={p.cluster}: {steps}, trainer world {p.trainer_world_size} "
         f"(mesh {', '.join(f'{k}={v}' for k, v in p.mesh.items() if k != 'world')}), "
         f"{optimiser(p, cfg)}, inference backend {p.backend} {inference}, "
         f"async_level {cfg.algorithm.async_level}, placement {cfg.placement}, "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl.core.disk import DiskFull, writing
-from rl.core.kinds import is_eval, is_train, kind_of
+from rl.core.kinds import eval_options, is_eval, is_train, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
 if TYPE_CHECKING:  # `rl action=status` reads summaries without the schema's imports
@@ -159,6 +159,8 @@ def summarize(
         summary["eval/best_version"] = best["step"]  # its weights: model.path=<run>/step_N
         if "eval/pass_at_k" in evals[-1]:
             summary["eval/pass_at_k/last"] = evals[-1]["eval/pass_at_k"]
+        for option in eval_options(evals[-1]):  # eval.environments'
+            summary[f"eval/{option}/exact_match/last"] = evals[-1][f"eval/{option}/exact_match"]
     return summary
 
 
@@ -199,7 +201,15 @@ def finish_run(
         except DiskFull as full:
             print(f"warning: no reward plot: {full}", file=sys.stderr, flush=True)
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
-    if evals and status == "finished":
+    if evals and status == "finished" and not cfg.max_steps:  # an eval alone (action=eval)
+        last = evals[-1]
+        print(
+            f"done in {wall_s:.0f} s: eval of {cfg.model.path or cfg.model.name}: exact_match "
+            f"{last['eval/exact_match']:.3f}, reward {last['eval/reward/mean']:.3f}"
+            + "".join(f", {o} {last[f'eval/{o}/exact_match']:.3f}" for o in eval_options(last)),
+            flush=True,
+        )
+    elif evals and status == "finished":
         print(
             f"done in {wall_s:.0f} s: eval exact_match {evals[0]['eval/exact_match']:.3f} "
             f"(version {evals[0]['step']}) -> {evals[-1]['eval/exact_match']:.3f} "

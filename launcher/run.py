@@ -30,7 +30,13 @@ def launch(cfg: DictConfig) -> None:
         finally:
             remove_made(run_dir)
         return
-    if cfg.action != Action.run:
+    if cfg.action == Action.eval:  # a run of no step from that run's weights: version 0 is
+        try:  # evaluated
+            cfg = eval_config(cfg, run_dir.parent.parent)
+        except Exception:
+            remove_made(run_dir)
+            raise
+    elif cfg.action != Action.run:
         from launcher import slurm
         from launcher.status import status
 
@@ -167,6 +173,40 @@ def resume(cfg: DictConfig, target: Path) -> None:
     from launcher.local import run_local
 
     run_local(cfg_now, run_plan, resume=run)
+
+
+GROUPS = ("model", "parallel", "algorithm", "environment", "cluster", "placement", "experiment")
+"""The config groups: a selection of one changes what `action=eval`'s run was trained with."""
+
+
+def eval_config(cfg: DictConfig, outputs: Path) -> DictConfig:
+    """`action=eval run_dir=R step=N`: R's config, with the settings this command line gives
+    (`eval.*`, `environment.eval_size`, ...), as a run of no RL step (`max_steps=0`) from R's
+    version N (its newest where no step is given) without a warm-up: the orchestrator
+    evaluates that version (version 0 of this run) and the run ends."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from launcher.status import find_run
+
+    run = find_run(cfg.run_dir, outputs)
+    config = OmegaConf.merge(OmegaConf.structured(RunConfig), run.load_config())
+    own = ("action", "run_dir", "step", "hydra.")
+    given = [o for o in HydraConfig.get().overrides.task if not o.startswith(own)]
+    for requested in OverridesParser.create().parse_overrides(given):
+        key = requested.key_or_group
+        if key in GROUPS or requested.is_delete():
+            raise ConfigError(
+                f"action=eval: {requested.input_line} would change what {run.root} trained; "
+                f"the eval runs with its config, changed by settings such as eval.samples=4, "
+                f"eval.environments=[...] or environment.eval_size=N"
+            )
+        OmegaConf.update(config, key, OmegaConf.select(cfg, key), merge=False, force_add=True)
+    model_path = run.root / f"step_{cfg.step}" if cfg.step is not None else run.root
+    for key, value in {"model.path": str(model_path), "max_steps": 0, "action": "run",
+                       "run_dir": None, "step": None, "resume": None}.items():  # fmt: skip
+        OmegaConf.update(config, key, value, merge=False)
+    config.name = f"{config.name}-eval"
+    return config
 
 
 def warn_of_disk(cfg: Any, run_dir: Path, done: int = 0) -> None:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from launcher.report import exact_match_se
-from rl.core.kinds import RecordKind, kind_of
+from rl.core.kinds import RecordKind, eval_options, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
 ETA_WINDOW = 20
@@ -271,9 +271,11 @@ class Console:
             change = f" ({delta:+.3f} since version {self.last_eval['step']})"
         self.last_eval = r
         sampled = f"  pass@{r['eval/k']} {r['eval/pass_at_k']:.3f}" if "eval/k" in r else ""
+        others = "".join(f"  {option} {r[f'eval/{option}/exact_match']:.3f}"
+                         for option in eval_options(r))  # fmt: skip
         return (
             f"eval  @ version {r['step']:>3}: exact_match {exact:.3f} ±{noise:.3f} of {n}"
-            f"{change}  reward {r['eval/reward/mean']:.3f}{sampled}"
+            f"{change}  reward {r['eval/reward/mean']:.3f}{sampled}{others}"
         )
 
 

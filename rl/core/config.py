@@ -158,6 +158,7 @@ class Action(StrEnum):
     status = "status"
     cancel = "cancel"
     export = "export"
+    eval = "eval"
 
 
 class TrainerDevice(StrEnum):
@@ -802,6 +803,11 @@ class EvalConfig:
     (`eval/pass_at_k`); `eval/exact_match` is then mean@k, the share of exact answers."""
     temperature: float = bounded(0.0, ge=0)
     """Sampling temperature of the eval; 0: greedy, one answer per prompt."""
+    environments: list[Any] = field(default_factory=list)
+    """More held-out sets, evaluated at every eval beside the run's own: a list of
+    `{option: <environment option>, args: {...}, eval_size: N}` (single-turn options of
+    conf/environment/, built with the run's seed; eval_size defaults to the option's), each
+    logged as `eval/<option>/exact_match` and `eval/<option>/reward/mean`."""
 
 
 SWEEP_METRICS = (
@@ -863,8 +869,9 @@ class RunConfig:
     memory split); `colocated` (group `placement`): they take turns, each with the whole device
     (every core on CPU; on GPU vLLM sleeps while the trainer runs), on-policy by
     construction."""
-    max_steps: int = bounded(20, ge=1)
-    """RL trainer steps."""
+    max_steps: int = bounded(20, ge=0, note="0: no RL step, version 0 is evaluated")
+    """RL trainer steps; 0: none, the run evaluates version 0 (the model after its warm-up)
+    and ends (how `action=eval` evaluates a checkpoint)."""
     dry_run: bool = False
     """Print the plan and exit without starting or submitting anything."""
     action: Action = Action.run
@@ -873,14 +880,14 @@ class RunConfig:
     run's newest published version (or `step`'s version or checkpoint) as full HF weights (a
     LoRA adapter merged into its base)."""
     run_dir: str | None = None
-    """For action=status/cancel/export: the run directory; None: the newest run named
-    `name`."""
+    """For action=status/cancel/export/eval: the run directory; None: the newest run."""
     force: bool = False
     """For action=cancel: cancel at once, without first asking the trainer to checkpoint the
     step under way."""
     step: int | None = bounded(None, ge=0)
-    """For action=export: the step to export, a published version or a kept checkpoint (its
-    float32 master weights written in the model's dtype); None: the newest published version."""
+    """For action=export/eval: the step to export or evaluate, a published version or a kept
+    checkpoint (its float32 master weights written in the model's dtype); None: the newest
+    published version."""
     resume: str | None = None
     """Continue the interrupted run in this directory, with the config it was started with."""
     max_restarts: int = bounded(3, ge=0, note="0 stops the run at the first death")

@@ -26,6 +26,13 @@ def is_eval(record: dict[str, Any]) -> bool:
     return record.get("kind") == RecordKind.eval
 
 
+def eval_options(record: dict[str, Any]) -> list[str]:
+    """The `eval.environments` options an eval record holds results of
+    (`eval/<option>/exact_match`), in the order logged."""
+    keys = [k.split("/") for k in record]
+    return [k[1] for k in keys if len(k) == 3 and k[0] == "eval" and k[2] == "exact_match"]
+
+
 def is_rollout(record: dict[str, Any]) -> bool:
     return record.get("kind") == RecordKind.rollout
 

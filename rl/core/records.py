@@ -469,6 +469,9 @@ class EvalRecord:
     """Completions per prompt (`eval.samples`); above 1, `exact_match` is mean@k."""
     pass_at_k: float | None = None
     """With k above 1: share of prompts with at least one exact answer among the k."""
+    others: dict[str, dict[str, float]] = field(default_factory=dict)
+    """`eval.environments`' results by option: exact_match, reward/mean, samples (and
+    pass_at_k), logged as `eval/<option>/<name>`."""
 
     def to_json(self) -> dict[str, Any]:
         record = {
@@ -481,6 +484,8 @@ class EvalRecord:
         }
         if self.k > 1:
             record |= {"eval/k": self.k, "eval/pass_at_k": self.pass_at_k}
+        for option, results in self.others.items():
+            record |= {f"eval/{option}/{name}": value for name, value in results.items()}
         return record
 
 

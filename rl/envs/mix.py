@@ -27,9 +27,16 @@ MEMBER = "mix_member"
 """The key of an example's `info` that names the member it came from."""
 
 
-def member_config(option: str, args: dict[str, Any], env_cfg: Any, eval_size: int) -> Any:
+def member_config(
+    option: str,
+    args: dict[str, Any],
+    env_cfg: Any,
+    eval_size: int | None,
+    key: str = "environment.args.members",
+) -> Any:
     """Member `option`'s environment config: its option's YAML under the schema, its own
-    `args` over the option's, the run's seed and this member's share of the eval."""
+    `args` over the option's, the run's seed and this member's share of the eval (None: the
+    option's own)."""
     from omegaconf import OmegaConf
 
     from rl.core.config import EnvironmentConfig
@@ -37,15 +44,43 @@ def member_config(option: str, args: dict[str, Any], env_cfg: Any, eval_size: in
 
     path = CONF / "environment" / f"{option}.yaml"
     if not path.is_file():
-        raise ValueError(
-            f"environment.args.members: no environment option {option!r} in {path.parent}"
-        )
+        raise ValueError(f"{key}: no environment option {option!r} in {path.parent}")
     merged = OmegaConf.merge(
         OmegaConf.structured(EnvironmentConfig),
         OmegaConf.load(path),
-        {"args": args or {}, "seed": env_cfg.seed, "eval_size": eval_size},
+        {"args": args or {}, "seed": env_cfg.seed},
+        {"eval_size": eval_size} if eval_size is not None else {},
     )
     return merged
+
+
+def single_turn(member: Environment, option: str, key: str) -> Environment:
+    """`member`, refused where it is multi-turn or plays its own episodes."""
+    if member.max_turns > 1 or type(member).rollouts is not Environment.rollouts:
+        raise ValueError(
+            f"{key}: {option} is multi-turn or plays its own episodes; only single-turn "
+            "environments go there"
+        )
+    return member
+
+
+def eval_environments(specs: list[Any], env_cfg: Any) -> list[tuple[str, Environment]]:
+    """`eval.environments`: each `{option, args, eval_size}` built as an environment whose
+    held-out examples are evaluated beside the run's own, by option."""
+    built, seen = [], set()
+    for spec in specs:
+        option = str(spec.get("option", ""))
+        if not option or option in seen:
+            raise ValueError(f"eval.environments: each needs an option, each option once (got "
+                             f"{[str(s.get('option', '')) for s in specs]})")  # fmt: skip
+        seen.add(option)
+        size = spec.get("eval_size")  # the option's own prompts and lengths, the run's seed
+        member_cfg = member_config(
+            option, spec.get("args"), env_cfg, size and int(size), "eval.environments"
+        )
+        env = single_turn(make_environment(member_cfg), option, "eval.environments")
+        built.append((option, env))
+    return built
 
 
 class Mix(Environment):
@@ -67,12 +102,7 @@ class Mix(Environment):
         self.members: list[Environment] = []
         for option, spec, eval_size in zip(options, specs, evals, strict=True):
             member = make_environment(member_config(option, spec.get("args"), env_cfg, eval_size))
-            if member.max_turns > 1 or type(member).rollouts is not Environment.rollouts:
-                raise ValueError(
-                    f"environment.args.members: {option} is multi-turn or plays its own "
-                    "episodes; a mix takes single-turn environments"
-                )
-            self.members.append(member)
+            self.members.append(single_turn(member, option, "environment.args.members"))
         self.options = options
         lows, highs = zip(*(m.reward_range for m in self.members), strict=True)
         self.reward_range = (min(lows), max(highs))

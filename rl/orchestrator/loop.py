@@ -40,6 +40,7 @@ from rl.core.runtime import (
 )
 from rl.core.seeds import prompt_seeds
 from rl.envs import Environment, Example, make_environment
+from rl.envs.mix import eval_environments
 from rl.inference.client import InferenceClient
 from rl.orchestrator.advantages import ADVANTAGES, advantage_bound
 from rl.orchestrator.episodes import run_episodes
@@ -118,6 +119,7 @@ class Orchestrator:
         self.cfg = cfg = load_run_config(run_dir)
         self.log = setup_logging("orchestrator")
         self.env: Environment = make_environment(cfg.environment)
+        self.eval_envs = eval_environments(list(cfg.eval.environments), cfg.environment)
         auth = run_auth(run_dir)
         self.queue = Peer(run_dir, "queue", cfg.timeouts.peer_s)
         shared = cfg.inference.shared  # served by the sweep's inference, as this point
@@ -149,12 +151,23 @@ class Orchestrator:
         self.carry: list[Group] = []  # the last batch's surplus groups with signal
 
     def rollouts(
-        self, examples: list[Example], n: int, temperature: float, *where: int | str
+        self,
+        examples: list[Example],
+        n: int,
+        temperature: float,
+        *where: int | str,
+        env: Environment | None = None,
     ) -> list[Episode | None]:
         """`n` episodes per example (example-major), single- or multi-turn, or played by the
         environment itself (None: an episode without a model turn). Each example's samples
-        are seeded from the run's seed, `where` (e.g. "train", step, round) and its place."""
+        are seeded from the run's seed, `where` (e.g. "train", step, round) and its place.
+        `env`: the run's own environment, or a single-turn one of `eval.environments`."""
         max_tokens = self.cfg.environment.max_tokens
+        if env is not None and env is not self.env:
+            seeds = prompt_seeds(self.cfg.seed, len(examples), *where)
+            done = self.inference.complete_all([e.prompt for e in examples], n, max_tokens,
+                                               temperature, seeds)  # fmt: skip
+            return [Episode.of(c) for c in done]
         own = self.env.rollouts(self.inference, examples, n, temperature, self.max_len)
         if own is not None:
             return own
@@ -180,35 +193,55 @@ class Orchestrator:
 
     def evaluate(self) -> None:
         """The held-out prompts, `eval.samples` completions each at `eval.temperature`: exact
-        match and reward over every completion, and with several, pass@k over the prompts."""
-        examples = self.env.eval_examples()
-        k, temperature = self.cfg.eval.samples, self.cfg.eval.temperature
+        match and reward over every completion, and with several, pass@k over the prompts;
+        then each of `eval.environments`' held-out sets, the same way, under its option."""
         t0 = time.monotonic()
-        episodes = self.rollouts(examples, k, temperature, "eval", self.version)
-        plays = [e for e in examples for _ in range(k)]
-        # An episode without a model turn scores 0 and solves nothing.
-        played = list(zip(plays, episodes, strict=True))
-        rewards = [self.env.score(e, p.completion) if p else 0.0 for e, p in played]
-        exact = [bool(p) and self.env.exact_match(e, p.completion) for e, p in played]
-        solved = [any(exact[i * k : (i + 1) * k]) for i in range(len(examples))]
+        played, rewards, exact, solved = self.score_eval(self.env, "eval", self.version)
         self.save_eval_samples(played[:EVAL_SAMPLES_KEPT], rewards, exact)
+        k = self.cfg.eval.samples
         record = EvalRecord(
             step=self.version,
             exact_match=sum(exact) / len(exact),
             reward_mean=sum(rewards) / len(rewards),
-            samples=len(examples),
-            time_s=time.monotonic() - t0,
+            samples=len(solved),
+            time_s=0.0,
             k=k,
             pass_at_k=sum(solved) / len(solved),
         )
+        for option, env in self.eval_envs:
+            _, rewards, exact, solved = self.score_eval(env, "eval", option, self.version)
+            record.others[option] = {
+                "exact_match": sum(exact) / len(exact),
+                "reward/mean": sum(rewards) / len(rewards),
+                "samples": len(solved),
+                **({"pass_at_k": sum(solved) / len(solved)} if k > 1 else {}),
+            }
+        record.time_s = time.monotonic() - t0
         self.run_dir.append_metrics(record.to_json())
         self.log.info(
-            "eval at version %d: exact_match %.3f reward %.3f",
+            "eval at version %d: exact_match %.3f reward %.3f%s",
             self.version,
             record.exact_match,
             record.reward_mean,
+            "".join(f", {o} {m['exact_match']:.3f}" for o, m in record.others.items()),
         )
         self.last_eval = self.version
+
+    def score_eval(
+        self, env: Environment, *where: int | str
+    ) -> tuple[list[tuple[Example, Episode | None]], list[float], list[bool], list[bool]]:
+        """`env`'s held-out prompts played `eval.samples` times each: the (prompt, episode)
+        pairs, each completion's reward and exact match, and whether each prompt was solved."""
+        examples = env.eval_examples()
+        k, temperature = self.cfg.eval.samples, self.cfg.eval.temperature
+        episodes = self.rollouts(examples, k, temperature, *where, env=env)
+        plays = [e for e in examples for _ in range(k)]
+        # An episode without a model turn scores 0 and solves nothing.
+        played = list(zip(plays, episodes, strict=True))
+        rewards = [env.score(e, p.completion) if p else 0.0 for e, p in played]
+        exact = [bool(p) and env.exact_match(e, p.completion) for e, p in played]
+        solved = [any(exact[i * k : (i + 1) * k]) for i in range(len(examples))]
+        return played, rewards, exact, solved
 
     def save_eval_samples(
         self, played: list[tuple[Example, Episode | None]], rewards: list[float], exact: list[bool]
