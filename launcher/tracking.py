@@ -221,7 +221,8 @@ class Console:
             times.insert(0, f"gen {rollout['time/generate']:.2f}s")
         signal = rollout.get("filter/first_round_signal")
         shares = "" if signal is None else f"signal {signal:.0%}  "
-        cut = r.get("clipped_fraction", 0.0) + r.get("masked_fraction", 0.0)
+        # A token the loss both clips and masks (GRPO's, GSPO's clip) counts once.
+        cut = max(r.get("clipped_fraction", 0.0), r.get("masked_fraction", 0.0))
         line = (
             f"step {r['step']:>3}/{self.max_steps}  reward {r['reward/mean']:.3f}  "
             f"loss {r['loss']:+.4f}  {shares}clipped {cut:.0%}  "
@@ -246,8 +247,10 @@ class Console:
                        f"the mean reward has been {rewards[-1]:.3f} for {FLAT_REWARD_STEPS} steps"),
             "cut": (cut > CUT_BOUND, CUT_STEPS,
                     f"the loss clipped or masked {cut:.0%} of the tokens (over {CUT_BOUND:.0%}): "
-                    "the policy moves further per step than its bounds allow; a lower "
-                    "algorithm.lr?"),
+                    "the policy moves further per step than its bounds allow (a lower "
+                    "algorithm.lr?), or the bounds are narrower than the gap between the "
+                    "inference engine's and the trainer's log-probabilities (GSPO's clip "
+                    "range: docs/algorithms.md)"),
             "kl": (r.get("mismatch_kl", 0.0) > KL_BOUND, KL_STEPS,
                    f"the trained policy is {r.get('mismatch_kl', 0.0):.2f} nats per token (KL) "
                    f"from the one that generated its batch (over {KL_BOUND:g})"),

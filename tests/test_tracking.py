@@ -8,17 +8,19 @@ from pathlib import Path
 from launcher.tracking import Console
 
 
-def step_records(step: int, reward: float, signal: float, cut: float) -> list[dict]:
+def step_records(
+    step: int, reward: float, signal: float, cut: float, clipped: float = 0.0
+) -> list[dict]:
     rollout = {"kind": "rollout", "step": step, "time/generate": 0.5, "time/weight_load": 0.0,
                "filter/first_round_signal": signal}  # fmt: skip
     train = {"kind": "train", "step": step, "reward/mean": reward, "loss": 0.0,
-             "masked_fraction": cut, "clipped_fraction": 0.0, "mismatch_kl": 0.01,
+             "masked_fraction": cut, "clipped_fraction": clipped, "mismatch_kl": 0.01,
              "throughput/tokens_per_s": 100.0, "time/step": 1.0, "time/train": 0.5,
              "off_policy/staleness_max": 1}  # fmt: skip
     return [rollout, train]
 
 
-def console_lines(rows: list[tuple[float, float, float]]) -> list[str]:
+def console_lines(rows: list[tuple[float, ...]]) -> list[str]:
     console = Console(max_steps=len(rows))
     said = []
     for step, row in enumerate(rows, 1):
@@ -47,6 +49,9 @@ def test_a_loss_that_cuts_most_tokens_is_warned_of() -> None:
     assert len(warned) == 1 and "clipped or masked 50% of the tokens" in warned[0], warned
     assert not [x for x in console_lines([(0.1 * k, 0.8, 0.1) for k in range(5)])
                 if x.startswith("warning: ")]  # fmt: skip
+    # GSPO's loss masks the tokens it clips: a token counts once (it read 100%, not 50%).
+    both = console_lines([(0.1 * k, 0.8, 0.5, 0.5) for k in range(5)])
+    assert all("clipped 50%" in x for x in both if x.startswith("step ")), both[0]
 
 
 SCRIPT = """
