@@ -43,6 +43,7 @@ from launcher.sizing import MIN_TOKENS_PER_CP_RANK, disk_need
 from launcher.vllm_args import VLLM_LORA_RANKS
 from rl.core import lora
 from rl.core.config import (
+    STEP_FIELDS,
     SWEEP_METRICS,
     Backend,
     BroadcastBackend,
@@ -154,6 +155,9 @@ def check_relations(cfg: DictConfig) -> None:
             "greedy evaluation (eval.temperature=0) gives one answer however many samples; "
             "set eval.temperature above 0 (1.0 samples as training does)",
         )
+    if unknown := [f for f in cfg.console.fields if f not in STEP_FIELDS]:
+        refuse(f"console.fields={list(cfg.console.fields)}",
+               f"{', '.join(unknown)} unknown; valid: {', '.join(STEP_FIELDS)}")  # fmt: skip
     if cfg.sweep.metric not in SWEEP_METRICS:
         refuse(f"sweep.metric={cfg.sweep.metric}", f"valid: {', '.join(SWEEP_METRICS)}")
     if cfg.max_steps and algo.lr_warmup_steps >= cfg.max_steps:

@@ -100,7 +100,7 @@ def launch(cfg: DictConfig) -> None:
 RESUMABLE = ("max_steps", "max_restarts", "environment.eval_every", "trainer.checkpoint_every")
 """Keys a resume may change (and every `wandb.*` and `timeouts.*`): how long the run goes on
 and how it is watched, never what it trains or how."""
-RESUMABLE_GROUPS = ("wandb.", "timeouts.", "sweep.")
+RESUMABLE_GROUPS = ("wandb.", "timeouts.", "sweep.", "console.")
 
 
 def resume(cfg: DictConfig, target: Path) -> None:
@@ -247,7 +247,7 @@ def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
             raise ConfigError(
                 f"resume={target}: {requested.input_line} cannot change on resume (it would "
                 f"change what the run trains); resume may change {', '.join(RESUMABLE)}, "
-                f"wandb.*, timeouts.* and sweep.*. To train on with other settings, start a new "
+                f"wandb.*, timeouts.*, sweep.* and console.*. To train on with other settings, start a new "
                 f"run from its weights: {branch_hint(target)}"
             )
         changes[key] = OmegaConf.select(cfg, key)

@@ -15,9 +15,11 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from launcher.report import exact_match_se
+from rl.core.config import STEP_FIELDS
 from rl.core.kinds import RecordKind, eval_options, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
@@ -178,8 +180,8 @@ class Console:
     as a terminal): each step with its pace (tokens/s, ETA) and where its time went
     (generation, training, weight sync); each eval with its change and its noise."""
 
-    def __init__(self, max_steps: int) -> None:
-        self.max_steps = max_steps
+    def __init__(self, max_steps: int, fields: Sequence[str] = STEP_FIELDS) -> None:
+        self.max_steps, self.fields = max_steps, tuple(fields)
         self.rollouts: dict[int, dict[str, Any]] = {}
         self.step_times: list[tuple[int, float]] = []  # (step, seen at) for the ETA
         self.last_eval: dict[str, Any] | None = None
@@ -220,16 +222,20 @@ class Console:
         if rollout:
             times.insert(0, f"gen {rollout['time/generate']:.2f}s")
         signal = rollout.get("filter/first_round_signal")
-        shares = "" if signal is None else f"signal {signal:.0%}  "
         # A token the loss both clips and masks (GRPO's, GSPO's clip) counts once.
         cut = max(r.get("clipped_fraction", 0.0), r.get("masked_fraction", 0.0))
-        line = (
-            f"step {r['step']:>3}/{self.max_steps}  reward {r['reward/mean']:.3f}  "
-            f"loss {r['loss']:+.4f}  {shares}clipped {cut:.0%}  "
-            f"{r['throughput/tokens_per_s']:,.0f} tok/s  "
-            f"{'  '.join(times)}  staleness {r['off_policy/staleness_max']}  "
-            f"{self.eta(r['step'])}"
-        )
+        parts = {
+            "reward": f"reward {r['reward/mean']:.3f}",
+            "loss": f"loss {r['loss']:+.4f}",
+            "signal": "" if signal is None else f"signal {signal:.0%}",
+            "clipped": f"clipped {cut:.0%}",
+            "throughput": f"{r['throughput/tokens_per_s']:,.0f} tok/s",
+            "times": "  ".join(times),
+            "staleness": f"staleness {r['off_policy/staleness_max']}",
+            "eta": self.eta(r["step"]),
+        }
+        shown = [parts[f] for f in self.fields if parts[f]]
+        line = "  ".join([f"step {r['step']:>3}/{self.max_steps}", *shown])
         return "\n".join([line, *self.warnings(r, signal, cut)])
 
     def warnings(self, r: dict[str, Any], signal: float | None, cut: float) -> list[str]:
@@ -311,7 +317,7 @@ class Follow:
         self, cfg: Any, run: RunDir, echo: bool, group: str | None = None, prefix: str = ""
     ) -> None:
         self.tail = MetricsTail(run)
-        self.console = Console(cfg.max_steps)
+        self.console = Console(cfg.max_steps, cfg.console.fields)
         self.echo, self.prefix = echo, prefix  # prefix: whose line it is (a sweep's point)
         self.tracker = Tracker(cfg, run, group)
         self.run = run

@@ -49,6 +49,9 @@ def test_a_loss_that_cuts_most_tokens_is_warned_of() -> None:
     assert len(warned) == 1 and "clipped or masked 50% of the tokens" in warned[0], warned
     assert not [x for x in console_lines([(0.1 * k, 0.8, 0.1) for k in range(5)])
                 if x.startswith("warning: ")]  # fmt: skip
+    short = Console(max_steps=5, fields=["reward", "eta"])
+    said = [short.line(r) for r in step_records(1, 0.5, 0.8, 0.5)]
+    assert said == [None, "step   1/5  reward 0.500  ETA ?"]  # console.fields=[reward,eta]
     # GSPO's loss masks the tokens it clips: a token counts once (it read 100%, not 50%).
     both = console_lines([(0.1 * k, 0.8, 0.5, 0.5) for k in range(5)])
     assert all("clipped 50%" in x for x in both if x.startswith("step ")), both[0]

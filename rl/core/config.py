@@ -810,6 +810,21 @@ class EvalConfig:
     logged as `eval/<option>/exact_match` and `eval/<option>/reward/mean`."""
 
 
+STEP_FIELDS = ("reward", "loss", "signal", "clipped", "throughput", "times", "staleness", "eta")
+"""What a step's console line may show, in this order (`console.fields`)."""
+
+
+@dataclass
+class ConsoleConfig:
+    """What the console prints while a run goes on (metrics.jsonl and wandb keep everything)."""
+
+    fields: list[str] = field(default_factory=lambda: list(STEP_FIELDS))
+    """A step line's fields, of reward, loss, signal (share of the first round's groups with
+    signal), clipped (share of tokens the loss clipped or masked), throughput, times (gen,
+    train, sync), staleness and eta; e.g. `console.fields=[reward,eta]` for a short line. The
+    warnings that a run is not learning are printed whatever it holds."""
+
+
 SWEEP_METRICS = (
     "eval/exact_match/last",
     "eval/reward/last",
@@ -906,6 +921,8 @@ class RunConfig:
     """Experiment tracking."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """How held-out evaluations sample."""
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    """What the console shows of each step."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """How a sweep's points are compared."""
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
