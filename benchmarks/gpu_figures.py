@@ -4,15 +4,16 @@ For a model of `model=`'s shape (Qwen3-0.6B by default) with random weights:
 - **trainer**: a full fine-tuning step (forward, backward, AdamW) of one sample of each length
   in `--tokens` (2k and 8k), as one trainer process keeps it (rl/trainer/parallel.py): float32
   master weights and moments, forward under autocast in the model's dtype, the loss from float32
-  log-probabilities; with and without `torch.compile`: tokens/s, and MFU against the GPU's
-  dense bf16 peak, counting FLOPs as launcher/balance.py does (3 x (2 x active parameters +
+  log-probabilities; with and without `torch.compile`: tokens/s, and MFU against the GPU's dense
+  bf16 peak, counting FLOPs as launcher/plan/costs/step_time.py does (3 x (2 x active parameters +
   attention over half the sample) per token); the peak memory allocated against
-  launcher/memory.py's estimate for one process (master weights, gradients, AdamW's moments,
-  autocast's copy, activations, attention, logits; the CUDA context is not the allocator's);
+  launcher/plan/costs/memory.py's estimate for one process (master weights, gradients, AdamW's
+  moments, autocast's copy, activations, attention, logits; the CUDA context is not the
+  allocator's);
 - **decode**: the embedded engine's `generate` for `--batch` prompts (64) of `--prompt` tokens,
   `--new` tokens each: tokens/s against the HBM bound (every step reads the weights once:
-  batch / (weight bytes / bandwidth)); the peak memory against weights plus launcher/memory.py's
-  KV cache for the batch's tokens;
+  batch / (weight bytes / bandwidth)); the peak memory against weights plus
+  launcher/plan/costs/memory.py's KV cache for the batch's tokens;
 - **colocated**: the bytes the embedded engine's sleep gives back, and its wake takes again.
 
     python benchmarks/gpu_figures.py [--out report.json] [--model qwen3_0_6b]
@@ -36,10 +37,10 @@ from typing import Any
 
 import torch
 
-from launcher.balance import active_params, attention_flops_per_token
-from launcher.gpus import SPECS, kind_of
-from launcher.memory import GIB, kv_bytes_per_token, trainer_memory
-from launcher.sizing import ONE_PROCESS, decide
+from launcher.plan.costs.fit import ONE_PROCESS, decide
+from launcher.plan.costs.memory import GIB, kv_bytes_per_token, trainer_memory
+from launcher.plan.costs.step_time import active_params, attention_flops_per_token
+from launcher.plan.gpus import SPECS, kind_of
 from rl.core.derive import ParallelDims, precision
 from rl.core.model import ensure_checkpoint, hf_config, load_tokenizer
 from rl.inference.engine import Engine, MemoryJob

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.sweep_summary import sweep_points
+from launcher.sweeps.summary import sweep_points
 from rl.core.kinds import is_eval
 from tests.support.runs import ROOT
 

@@ -25,7 +25,6 @@ from pathlib import Path
 import httpx
 import torch
 
-from launcher.plan import vllm_args
 from rl.core.auth import token_auth
 from rl.core.model import (
     ensure_checkpoint,
@@ -35,6 +34,7 @@ from rl.core.model import (
 )
 from rl.core.rundir import RunDir
 from rl.core.runtime import wait_for_address
+from rl.inference.vllm.args import vllm_args
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
 

@@ -1,7 +1,8 @@
 """The `rl` command: plan a run from its config, then start its roles here or submit them to
-Slurm, watch them, and report how the run went. Nothing here runs inside a role.
+a cluster, watch them, and report how the run went. Nothing here runs inside a role, but the
+supervisor a Slurm job runs on each node (clusters/slurm/supervisor.py).
 
-Layered, lowest first (tests/test_imports.py holds it): errors, gpus, report, memory; balance;
-tracking, sizing, help; estimates, vllm_args; checks, branch; plan; run_dir, processes, slurm_cli;
-sweep_summary; status; local, supervisor; slurm; sweep_base; shared_sweep; run; cli.
+The command's modules sit here; the rest is in folders: `plan/` (refusals, costs, the plan),
+`clusters/` (local and Slurm), `sweeps/` and `watch/`. README.md lists the layers, lowest first
+(tests/test_imports.py holds them).
 """

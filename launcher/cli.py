@@ -3,7 +3,7 @@
 Config errors (an unknown option, key or type, a cross-group contradiction) end in one line
 on stderr naming the key and what is valid, with a non-zero exit and nothing started; so does
 a full disk met before the roles start. `rl action=status [run_dir=<dir>]` is answered before
-Hydra is imported (launcher/status.py); `rl --help` lists the settings and `rl --help <key>`
+Hydra is imported (launcher/watch/status.py); `rl --help` lists the settings and `rl --help <key>`
 prints one's whole description (launcher/help.py).
 """
 
@@ -59,7 +59,7 @@ def main() -> None:
     # Every role is a process importing torch: without a bytecode cache each would compile it
     # from source again (~6 s of CPU a process, every run), so the run's processes write one.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    from launcher.status import fast_status
+    from launcher.watch.status import fast_status
 
     try:
         if fast_status(sys.argv[1:]):

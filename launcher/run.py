@@ -11,12 +11,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.branch import branch, branch_hint
-from launcher.checks import absolute_paths, check_this_machine, check_weights, disk_warning
 from launcher.errors import ConfigError
 from launcher.hydra_dirs import remove_made
-from launcher.plan import format_plan, plan
-from launcher.report import override
-from launcher.sweep_base import shares_a_base, start_from_base
+from launcher.plan.checks import absolute_paths, check_this_machine, check_weights, disk_warning
+from launcher.plan.planner import format_plan, plan
+from launcher.sweeps.base import shares_a_base, start_from_base
+from launcher.watch.report import override
 from rl.core.config import Action, ClusterKind, RunConfig
 from rl.core.rundir import CONFIG, INTERNAL, TOKEN, RunDir, step_versions
 
@@ -37,8 +37,8 @@ def launch(cfg: DictConfig) -> None:
             remove_made(run_dir)
             raise
     elif cfg.action != Action.run:
-        from launcher import slurm
-        from launcher.status import status
+        from launcher.clusters.slurm import submit as slurm
+        from launcher.watch.status import status
 
         actions = {
             Action.status: status,
@@ -62,7 +62,7 @@ def launch(cfg: DictConfig) -> None:
         if not cfg.dry_run and not base_pending:
             check_weights(cfg)
         if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest
-            from launcher import shared_sweep
+            from launcher.sweeps import shared as shared_sweep
 
             if cfg.dry_run:
                 shared_sweep.print_service_plan(cfg)
@@ -80,14 +80,14 @@ def launch(cfg: DictConfig) -> None:
     for note in branched:
         print(note, flush=True)
     if cfg.cluster.kind == ClusterKind.slurm:
-        from launcher.slurm import submit
+        from launcher.clusters.slurm.submit import submit
 
         try:
             submit(cfg, run_plan)
         finally:
             remove_made(run_dir)
         return
-    from launcher.local import run_local
+    from launcher.clusters.local.launch import run_local
     from rl.core.model import ensure_checkpoint
 
     # Build or convert the model once here, not concurrently in every role (SmolLM2's GGUF
@@ -106,7 +106,7 @@ RESUMABLE_GROUPS = ("wandb.", "timeouts.", "sweep.", "console.")
 def resume(cfg: DictConfig, target: Path) -> None:
     """Continue the run in `target` with the config it was started with, changed only by the
     overrides given that `resumable` allows (a larger `max_steps` extends a finished run)."""
-    from launcher.report import read_summary
+    from launcher.watch.report import read_summary
 
     run = RunDir(target)
     if run.has_old_layout():
@@ -161,16 +161,16 @@ def resume(cfg: DictConfig, target: Path) -> None:
         marker.unlink(missing_ok=True)
     _say_where_it_resumes(run, steps, changed)
     if cfg_now.cluster.kind == ClusterKind.slurm:
-        from launcher.slurm import resubmit
+        from launcher.clusters.slurm.submit import resubmit
 
         resubmit(cfg_now, run_plan, run)
         return
     if cfg_now.inference.shared:  # a point of a sweep sharing inference: with the service
-        from launcher.shared_sweep import resume_point
+        from launcher.sweeps.shared import resume_point
 
         resume_point(cfg_now, run_plan, run)
         return
-    from launcher.local import run_local
+    from launcher.clusters.local.launch import run_local
 
     run_local(cfg_now, run_plan, resume=run)
 
@@ -186,7 +186,7 @@ def eval_config(cfg: DictConfig, outputs: Path) -> DictConfig:
     evaluates that version (version 0 of this run) and the run ends."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from launcher.status import find_run
+    from launcher.watch.status import find_run
 
     run = find_run(cfg.run_dir, outputs)
     config = OmegaConf.merge(OmegaConf.structured(RunConfig), run.load_config())
@@ -211,7 +211,7 @@ def eval_config(cfg: DictConfig, outputs: Path) -> DictConfig:
 
 def warn_of_disk(cfg: Any, run_dir: Path, done: int = 0) -> None:
     """Say so (on stderr, before the run starts) when the run directory's filesystem has less
-    free space than the run's checkpoints and weights will take (launcher/checks.py)."""
+    free space than the run's checkpoints and weights will take (launcher/plan/checks.py)."""
     if warning := disk_warning(cfg, run_dir, done):
         print(warning, file=sys.stderr, flush=True)
 
@@ -219,11 +219,11 @@ def warn_of_disk(cfg: Any, run_dir: Path, done: int = 0) -> None:
 def _check_ended(cfg: Any, run: RunDir) -> None:
     """ConfigError while any process (or Slurm job) of the run is still alive."""
     if cfg.cluster.kind == ClusterKind.slurm:
-        from launcher.slurm import check_ended
+        from launcher.clusters.slurm.submit import check_ended
 
         check_ended(run)
         return
-    from launcher.run_dir import running_roles
+    from launcher.clusters.run_dir import running_roles
 
     alive = running_roles(run)
     if alive:
@@ -247,8 +247,8 @@ def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
             raise ConfigError(
                 f"resume={target}: {requested.input_line} cannot change on resume (it would "
                 f"change what the run trains); resume may change {', '.join(RESUMABLE)}, "
-                f"wandb.*, timeouts.*, sweep.* and console.*. To train on with other settings, start a new "
-                f"run from its weights: {branch_hint(target)}"
+                f"wandb.*, timeouts.*, sweep.* and console.*. To train on with other "
+                f"settings, start a new run from its weights: {branch_hint(target)}"
             )
         changes[key] = OmegaConf.select(cfg, key)
     return changes
@@ -264,7 +264,7 @@ def export(run_dir: str | None, outputs: Path, step: int | None = None) -> None:
     checkpoint) is as full HF weights, written there first where it has to be (a LoRA run's
     adapter merged into its base, a checkpoint's master weights in the model's dtype)."""
     from launcher.errors import PlanError
-    from launcher.status import find_run
+    from launcher.watch.status import find_run
     from rl.trainer.export import export as export_weights
 
     run = find_run(run_dir, outputs)

@@ -27,7 +27,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.help import format_help
-from launcher.plan import plan
+from launcher.plan.planner import plan
 from rl.core.config import EnvironmentConfig
 from rl.core.kinds import is_train
 from rl.core.paths import CONF

@@ -85,7 +85,7 @@ def test_action_eval_refuses_what_would_change_the_trained_run(
 
 def test_an_eval_environment_that_cannot_be_evaluated_is_refused_at_plan_time() -> None:
     from launcher.errors import PlanError
-    from launcher.plan import plan
+    from launcher.plan.planner import plan
     from tests.support.runs import compose_run
 
     for spec, said in [("[{option: wordle}]", "wordle is multi-turn"),

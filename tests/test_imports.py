@@ -147,8 +147,8 @@ def cycles(package: str) -> list[str]:
 def test_the_graph_sees_lazy_and_from_imports() -> None:
     graph = import_graph()
     assert "rl.core.config" in graph["rl.core.derive"]  # `from rl.core.config import ...`
-    assert "rl.envs" in graph["launcher.checks"]  # `from rl.envs import locate` (a name)
-    assert "rl.orchestrator.agents" in graph["launcher.checks"]  # inside a function
+    assert "rl.envs" in graph["launcher.plan.checks"]  # `from rl.envs import locate` (a name)
+    assert "rl.orchestrator.agents" in graph["launcher.plan.checks"]  # inside a function
     assert not any(m.startswith("tests") for m in graph)  # test helpers are not shipped
 
 
@@ -172,31 +172,82 @@ RL_LAYERS = (
     ("rl.queue", "rl.inference"),
     ("rl.orchestrator", "rl.trainer"),
 )
-# launcher/: each module is a package of its own.
+# launcher/: module by module, lowest first (a folder's `__init__` imports nothing). The README
+# shows this list (`launcher_layers_text`), and a test holds the two together.
 LAUNCHER_LAYERS = (
     (
         "launcher",
         "launcher.errors",
-        "launcher.gpus",
-        "launcher.report",
-        "launcher.memory",
         "launcher.hydra_dirs",
+        "launcher.plan",
+        "launcher.plan.gpus",
+        "launcher.plan.costs",
+        "launcher.plan.costs.memory",
+        "launcher.clusters",
+        "launcher.clusters.processes",
+        "launcher.clusters.local",
+        "launcher.clusters.slurm",
+        "launcher.sweeps",
+        "launcher.watch",
+        "launcher.watch.report",
     ),
-    ("launcher.balance",),
-    ("launcher.tracking", "launcher.sizing", "launcher.help"),
-    ("launcher.estimates", "launcher.vllm_args", "launcher.slurm_jobs"),
-    ("launcher.checks", "launcher.branch"),
-    ("launcher.plan",),
-    ("launcher.run_dir", "launcher.processes", "launcher.slurm_cli"),
-    ("launcher.sweep_summary",),
-    ("launcher.status",),
-    ("launcher.local", "launcher.supervisor"),
-    ("launcher.slurm",),
-    ("launcher.sweep_base",),
-    ("launcher.shared_sweep",),
+    (
+        "launcher.plan.costs.step_time",
+        "launcher.watch.tracking",
+        "launcher.help",
+        "launcher.branch",
+        "launcher.clusters.slurm.cli",
+    ),
+    ("launcher.plan.costs.fit",),
+    ("launcher.plan.checks", "launcher.plan.costs.figures", "launcher.clusters.slurm.jobs"),
+    ("launcher.plan.planner",),
+    ("launcher.clusters.run_dir",),
+    (
+        "launcher.sweeps.summary",
+        "launcher.clusters.local.launch",
+        "launcher.clusters.slurm.supervisor",
+    ),
+    ("launcher.watch.status",),
+    ("launcher.clusters.slurm.submit",),
+    ("launcher.sweeps.base",),
+    ("launcher.sweeps.shared",),
     ("launcher.run",),
     ("launcher.cli",),
 )
+
+
+def launcher_layers_text() -> str:
+    """LAUNCHER_LAYERS as the README lists them: a line per layer, lowest first, each module
+    by its path under launcher/ (folders' `__init__`s left out)."""
+    modules = set(module_files())
+    lines = []
+    for i, layer in enumerate(LAUNCHER_LAYERS, 1):
+        names = [m.removeprefix("launcher.").replace(".", "/") + ".py" for m in layer
+                 if m != "launcher" and not modules_is_package(m, modules)]  # fmt: skip
+        lines.append(f"{i}. " + ", ".join(f"`{n}`" for n in names))
+    return "\n".join(lines)
+
+
+def modules_is_package(module: str, modules: set[str]) -> bool:
+    return any(other.startswith(f"{module}.") for other in modules)
+
+
+def test_the_readme_lists_the_launcher_layers_as_they_are() -> None:
+    """The README's layering of launcher/ is this test's, so the two cannot drift apart."""
+    text = (ROOT / "README.md").read_text()
+    start, end = "<!-- launcher layers: tests/test_imports.py -->\n", "\n<!-- end -->"
+    assert start in text and end in text.split(start, 1)[1], "README.md lacks the markers"
+    listed = text.split(start, 1)[1].split(end, 1)[0]
+    assert listed == launcher_layers_text(), (
+        f"README.md's launcher layers differ from tests/test_imports.py's; they are:\n"
+        f"{launcher_layers_text()}"
+    )
+
+
+def test_the_launcher_top_level_is_small() -> None:
+    """launcher/ shows its architecture: a few command modules, the rest in folders."""
+    top = sorted(p.name for p in (ROOT / "launcher").glob("*.py"))
+    assert len(top) <= 8, top
 
 
 def package_of(module: str, layers: tuple[tuple[str, ...], ...]) -> str | None:
@@ -259,7 +310,7 @@ def test_roles_import_nothing_from_the_launcher() -> None:
     "module",
     [
         "launcher.cli",
-        "launcher.plan",
+        "launcher.plan.planner",
         "launcher.run",
         "rl.core.config",
         "rl.core.derive",

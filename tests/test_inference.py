@@ -634,8 +634,8 @@ def test_the_vllm_front_says_when_it_sleeps_and_refuses_completions_meanwhile(
     weight load wakes vLLM before it swaps."""
     from fastapi.testclient import TestClient
 
-    from rl.inference.vllm import VllmBackend, VllmFrontend
-    from rl.inference.vllm import build_app as front_app
+    from rl.inference.vllm.front import VllmBackend, VllmFrontend
+    from rl.inference.vllm.front import build_app as front_app
 
     calls: list[str] = []
     vllm = SimpleNamespace(url="http://vllm.invalid")

@@ -1,5 +1,5 @@
 """Hung roles are found and restarted: a stopped process, a server whose /health fails, while a
-live one is left alone (launcher/processes.py's Liveness, rl/core/runtime.py's Heartbeat).
+live one is left alone (launcher/clusters/processes.py's Liveness, rl/core/runtime.py's Heartbeat).
 
 Each test starts a small real role process through the launcher's own `spawn` and watches it
 with `check_children`, as the local launcher and the Slurm supervisor do.
@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from launcher.plan import plan
-from launcher.processes import (
+from launcher.clusters.processes import (
     Child,
     Liveness,
     RunFailed,
@@ -28,6 +27,7 @@ from launcher.processes import (
     spawn,
     stop_children,
 )
+from launcher.plan.planner import plan
 from rl.core.rundir import RunDir
 from tests.support.runs import ROOT, TOKEN, compose_run, write_run_dir
 
@@ -318,7 +318,7 @@ def test_a_weight_load_during_a_vllm_restart_waits_for_the_new_vllm(
 
     import httpx
 
-    from rl.inference import vllm as vllm_backend
+    from rl.inference.vllm import front as vllm_backend
 
     # Loaded as it stands: no private copy of a version that was never published.
     monkeypatch.setattr(vllm_backend.VllmFrontend, "_private_copy", lambda self, path, *_: path)
@@ -364,7 +364,7 @@ def test_a_lost_node_restarts_its_replica_even_under_a_hung_load(
 
     import httpx
 
-    from rl.inference import vllm as vllm_backend
+    from rl.inference.vllm import front as vllm_backend
 
     # Loaded as it stands: no private copy of a version that was never published.
     monkeypatch.setattr(vllm_backend.VllmFrontend, "_private_copy", lambda self, path, *_: path)

@@ -329,7 +329,7 @@ def test_a_broadcast_holding_nan_is_refused_by_name(server: SimpleNamespace) -> 
 
 def checked_front(private: Path) -> Any:
     """The vLLM front's load path with vLLM itself replaced: records what reaches the swap."""
-    from rl.inference.vllm import VllmFrontend
+    from rl.inference.vllm.front import VllmFrontend
 
     class CheckedFront(VllmFrontend):
         def __init__(self) -> None:  # none of vLLM: the state the load path reads
@@ -356,7 +356,7 @@ def test_the_vllm_front_refuses_what_the_embedded_engine_refuses(tmp_path: Path)
     after a restart), never the run's files (vLLM would read them after the check)."""
     from fastapi.testclient import TestClient
 
-    from rl.inference.vllm import build_app
+    from rl.inference.vllm.front import build_app
 
     run = RunDir(tmp_path / "run")
     for version, value in ((1, 1.0), (2, float("nan")), (3, 1.0)):

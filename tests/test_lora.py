@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from launcher.errors import PlanError
-from launcher.plan import plan
+from launcher.plan.planner import plan
 from rl.core import lora
 from rl.core.auth import token_auth
 from rl.core.kinds import is_train

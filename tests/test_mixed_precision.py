@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from launcher.memory import GIB, trainer_memory
+from launcher.plan.costs.memory import GIB, trainer_memory
 from rl.core.derive import trainer_dims
 from rl.core.lora import ADAPTER_WEIGHTS, is_adapter_dir
 from rl.core.safetensors_files import safetensors_files

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import gpus
 from launcher.errors import PlanError
-from launcher.plan import format_plan, plan
+from launcher.plan import gpus
+from launcher.plan.planner import format_plan, plan
 from tests.support.runs import ROOT, compose_run
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -110,7 +110,7 @@ def test_a_model_that_cannot_share_the_gpu_is_refused_with_its_numbers() -> None
     message = str(refused.value)
     assert message.startswith("cluster.gpus_per_node=1: model=qwen3_0_6b does not fit one 12 GB")
     assert "inference (5.6 GB: weights 1.1, KV cache 3.5)" in message
-    # launcher/memory.py's count for one process: 0.596B parameters x 18 bytes (float32
+    # launcher/plan/costs/memory.py's count for one process: 0.596B parameters x 18 bytes (float32
     # weights, gradients and two AdamW moments, autocast's bf16 copy) = 10.0 GiB; for the
     # longest sample, 32,768 tokens: logits 46.4 (x 151,936 x (2 + 8) bytes), the packed rows'
     # mask 0.2 (8192^2 x 3 bytes), every block's activations 36.7 = 83.3 GiB.

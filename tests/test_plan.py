@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from launcher.checks import check_weights
 from launcher.errors import PlanError
-from launcher.plan import format_plan, plan, plan_header
+from launcher.plan.checks import check_weights
+from launcher.plan.planner import format_plan, plan, plan_header
 from rl.core.rundir import RunDir, mark_complete
 from tests.support.runs import ROOT, compose_run, options
 
@@ -66,7 +66,7 @@ def test_slurm_matrix_plans(model: str) -> None:
 def test_ep8_sizes_nodes_from_memory(model: str) -> None:
     """The trainer's nodes are at least the fewest whose GPUs hold a rank's memory (with
     checkpointing and offload where needed), and every term the plan prints fits."""
-    from launcher.sizing import fit_trainer
+    from launcher.plan.costs.fit import fit_trainer
 
     cfg = compose_run(f"model={model}", "parallel=ep8", "cluster=slurm")
     p = plan(cfg)
@@ -235,8 +235,8 @@ def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
     """A local run declaring GPUs that nvidia-smi does not find, or serving with vLLM from a
     python without it, is refused at plan time in one line (before, the dry run printed
     CUDA_VISIBLE_DEVICES=0 beside "no GPU found", and the run ended in vLLM's traceback)."""
-    from launcher import gpus
-    from launcher.checks import check_this_machine
+    from launcher.plan import gpus
+    from launcher.plan.checks import check_this_machine
 
     monkeypatch.setattr(gpus, "detect", lambda: [])
     two_args = ["cluster.gpus_per_node=2", "cluster.gpu_memory_gb=80", "inference.backend=embedded"]
@@ -283,7 +283,7 @@ def test_what_this_machine_cannot_do_is_refused_before_a_local_run(
 def test_the_readmes_one_gpu_dry_run_plans_without_a_gpu() -> None:
     """README: the one-GPU plan's `dry_run=true` shows it without a GPU (it was refused: "no
     GPU found"); the run itself is still refused on a machine without one."""
-    from launcher import gpus
+    from launcher.plan import gpus
 
     if gpus.detect():
         pytest.skip("this machine has a GPU")
@@ -644,8 +644,8 @@ def test_what_only_vllm_serves_is_refused_for_the_embedded_engine(
 
 
 def test_every_node_of_a_replica_finds_the_same_head(monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher import slurm_cli
-    from launcher.supervisor import NodeSupervisor
+    from launcher.clusters.slurm import cli as slurm_cli
+    from launcher.clusters.slurm.supervisor import NodeSupervisor
 
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[3-6]")
     monkeypatch.setattr(slurm_cli, "hostnames", lambda _: [f"node{i}" for i in range(3, 7)])
@@ -660,7 +660,7 @@ def test_every_node_of_a_replica_finds_the_same_head(monkeypatch: pytest.MonkeyP
 
 
 def test_each_node_supervisor_starts_the_processes_placed_on_it() -> None:
-    from launcher.supervisor import NodeSupervisor
+    from launcher.clusters.slurm.supervisor import NodeSupervisor
 
     planned = json.loads(slurm_plan("parallel=dp", "parallel.inference.tp=2", PER_ROLE).to_json())
     for node, replicas in ((0, ["0", "1", "2", "3"]), (1, ["4", "5", "6", "7"])):
@@ -674,8 +674,8 @@ def test_one_allocation_splits_its_nodes_by_role() -> None:
     """GLM-5's run as one job of 29 nodes: the two 4-node instances on nodes 0-7, the queue,
     orchestrator and router on node 0, the trainer on nodes 8-28; each node's supervisor
     starts what is placed on it, the trainer's with its node rank among the trainer's."""
-    from launcher.slurm_jobs import sbatch_flags
-    from launcher.supervisor import NodeSupervisor
+    from launcher.clusters.slurm.jobs import sbatch_flags
+    from launcher.clusters.slurm.supervisor import NodeSupervisor
 
     cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm")
     p = plan(cfg)
@@ -702,8 +702,8 @@ def test_one_allocation_splits_its_nodes_by_role() -> None:
 
 
 def test_planned_gpus_are_the_jobs_own() -> None:
+    from launcher.clusters.slurm.supervisor import bind_devices
     from launcher.errors import ConfigError
-    from launcher.supervisor import bind_devices
 
     assert bind_devices("1", None) == "1"
     assert bind_devices("0,1", "4,5,6,7") == "4,5"  # Slurm gave the job GPUs 4-7

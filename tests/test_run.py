@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run_dir import group_alive
+from launcher.clusters.run_dir import group_alive
 from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import RunDir
 from rl.queue.store import Store

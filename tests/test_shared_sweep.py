@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from launcher.run_dir import group_alive
+from launcher.clusters.run_dir import group_alive
 from rl.core.auth import token_auth
 from rl.core.kinds import is_train
 from rl.core.model import ensure_checkpoint, load_tokenizer
@@ -144,12 +144,12 @@ def hydra_value(command: str, key: str) -> str:
 def test_the_printed_resume_command_of_a_sweep_point_parses(tmp_path: Path) -> None:
     """A sweep point's directory holds `=` and `,` (Hydra's override_dirname): the resume and
     status commands printed for it must reach Hydra as that one path."""
-    from launcher.local import resume_command
+    from launcher.clusters.local.launch import resume_command
 
     point = tmp_path / "0-algorithm.lr=0.001,max_steps=3,model.lora.rank=8"
     point.mkdir()
     assert hydra_value(resume_command(RunDir(point)), "resume") == str(point)
-    from launcher.report import override
+    from launcher.watch.report import override
 
     status = f"uv run rl action=status {override('run_dir', point)}"
     assert hydra_value(status, "run_dir") == str(point)

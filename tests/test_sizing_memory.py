@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import PlanError
-from launcher.memory import TrainerOptions, inference_memory, params, trainer_memory
-from launcher.plan import plan
-from launcher.sizing import fill_gpus, replica_nodes
+from launcher.plan.costs.fit import fill_gpus, replica_nodes
+from launcher.plan.costs.memory import TrainerOptions, inference_memory, params, trainer_memory
+from launcher.plan.planner import plan
 from rl.core.config import WeightTransport
 from rl.core.derive import weight_transport
 from tests.support.runs import compose_run, options

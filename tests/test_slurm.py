@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import slurm_cli
-from launcher.processes import spawn, stop_children
-from launcher.report import read_records
+from launcher.clusters.processes import spawn, stop_children
+from launcher.clusters.slurm import cli as slurm_cli
+from launcher.watch.report import read_records
 from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import RunDir, step_versions
 
@@ -509,8 +509,8 @@ def test_sbatch_options_follow_the_plan() -> None:
     wckey; a one-GPU run's nodes ask their GPU's share of CPUs and memory; per role, the
     control job asks only the cpu_* options. The site's setup, environment, srun arguments,
     container and network interface are printed as the jobs run them."""
-    from launcher.plan import format_plan, plan
-    from launcher.slurm_jobs import sbatch_flags
+    from launcher.clusters.slurm.jobs import sbatch_flags
+    from launcher.plan.planner import format_plan, plan
     from tests.support.runs import compose_run
 
     site = ("cluster.partition=gpu", "cluster.account=proj", "cluster.qos=high",
@@ -655,8 +655,8 @@ def test_slurm_time_limits_read_in_minutes(limit: str, minutes: float | None) ->
 def supervisor_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A factory of NodeSupervisors for one job of a real run directory (max_restarts=0),
     with Slurm's clients faked: nothing is submitted or cancelled."""
-    from launcher import supervisor
-    from launcher.plan import plan
+    from launcher.clusters.slurm import supervisor
+    from launcher.plan.planner import plan
     from tests.support.runs import compose_run
 
     cfg = compose_run("cluster=slurm_cpu", "max_restarts=0", PER_ROLE)
@@ -688,7 +688,7 @@ def test_an_unlisted_peer_is_waited_for(supervisor_for, monkeypatch) -> None:
 
 
 def test_a_supervisor_error_is_recorded_as_the_reason(supervisor_for, monkeypatch) -> None:
-    from launcher.supervisor import RunEnded
+    from launcher.clusters.slurm.supervisor import RunEnded
 
     sup = supervisor_for("control")
     monkeypatch.setattr(slurm_cli, "job_states", lambda ids: 1 / 0)
@@ -701,7 +701,7 @@ def test_a_supervisor_error_is_recorded_as_the_reason(supervisor_for, monkeypatc
 def test_a_checkpoint_request_does_not_hide_other_deaths(supervisor_for) -> None:
     """While the trainer job checkpoints for a requeue, the control job still sees its
     orchestrator die, and fails the run with its name."""
-    from launcher.supervisor import RunEnded
+    from launcher.clusters.slurm.supervisor import RunEnded
 
     sup = supervisor_for("control")
     sup.rundir.checkpoint_request.touch()
@@ -716,8 +716,8 @@ def test_a_hung_role_is_killed_and_named_by_the_supervisor(supervisor_for) -> No
     """A role that stops answering (here SIGSTOP) is found by the job's supervisor as by the
     local launcher: killed after `timeouts.hung_s`, and with no restarts left it fails the
     run, named."""
-    from launcher.processes import Liveness
-    from launcher.supervisor import RunEnded
+    from launcher.clusters.processes import Liveness
+    from launcher.clusters.slurm.supervisor import RunEnded
 
     sup = supervisor_for("control")
     sup.liveness = Liveness(sup.rundir, hung_s=0.5, start_s=60)
@@ -732,7 +732,7 @@ def test_a_hung_role_is_killed_and_named_by_the_supervisor(supervisor_for) -> No
 
 
 def test_a_trainer_stopped_by_request_is_neither_done_nor_failed(supervisor_for) -> None:
-    from launcher.supervisor import RunEnded
+    from launcher.clusters.slurm.supervisor import RunEnded
 
     sup = supervisor_for("trainer")
     sup.rundir.checkpoint_request.touch()
@@ -773,7 +773,7 @@ def test_sigterm_makes_the_trainer_checkpoint_first(supervisor_for) -> None:
 
 @pytest.mark.parametrize("marker", ["complete", "failure", "done"])
 def test_a_finished_run_is_not_requeued(tmp_path: Path, marker: str) -> None:
-    from launcher.supervisor import JobRoles
+    from launcher.clusters.slurm.supervisor import JobRoles
 
     run = RunDir(tmp_path)
     path = run.done("trainer") if marker == "done" else getattr(run, marker)
@@ -790,7 +790,7 @@ def test_a_finished_run_is_not_requeued(tmp_path: Path, marker: str) -> None:
 def test_status_without_the_accounting_database(tmp_path: Path, monkeypatch) -> None:
     """`action=status` reads the controller when sacct cannot answer, and still shows the
     run when neither can."""
-    from launcher.status import format_status
+    from launcher.watch.status import format_status
 
     run = RunDir(tmp_path)
     run.internal.mkdir()
@@ -812,7 +812,7 @@ def test_status_shows_current_reasons_user_names_and_every_attempt(
     """A job cancelled by root reads `CANCELLED by root`, without the pending reason it kept
     from its held submission; a pending job keeps its reason; a resumed run's earlier
     submissions are listed with how they ended."""
-    from launcher.status import format_status
+    from launcher.watch.status import format_status
 
     run = RunDir(tmp_path)
     run.internal.mkdir()

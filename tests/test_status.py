@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.status import fast_status, find_run, format_status
+from launcher.watch.status import fast_status, find_run, format_status
 from rl.core.paths import ROOT
 from rl.core.rundir import RunDir
 from tests.support.runs import compose_run
@@ -95,7 +95,7 @@ def test_status_answers_without_hydra_numpy_or_torch(tmp_path: Path) -> None:
 
 
 def test_a_groups_lead_is_judged_by_welchs_t_test_over_the_seeds() -> None:
-    from launcher.sweep_summary import incomplete_beta, verdict
+    from launcher.sweeps.summary import incomplete_beta, verdict
 
     clear = verdict({"lr=a": [0.70, 0.72, 0.71], "lr=b": [0.50, 0.52, 0.49]})
     assert clear.startswith(
@@ -114,7 +114,7 @@ def test_a_groups_lead_is_judged_by_welchs_t_test_over_the_seeds() -> None:
 
 
 def test_the_plot_is_titled_by_the_run_and_shows_each_evals_standard_error(tmp_path: Path) -> None:
-    from launcher.report import figure, plot_title
+    from launcher.watch.report import figure, plot_title
 
     run = make_run(tmp_path / "reverse_text-tiny" / "2026-01-01_00-00-00", "reverse_text-tiny", 3)
     last = {"kind": "eval", "step": 3, "eval/exact_match": 0.5, "eval/reward/mean": 0.6}

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.tracking import Console
+from launcher.watch.tracking import Console
 
 
 def step_records(
@@ -61,7 +61,7 @@ SCRIPT = """
 import os, signal, sys
 import psutil
 from omegaconf import OmegaConf
-from launcher.tracking import Tracker
+from launcher.watch.tracking import Tracker
 from rl.core.rundir import RunDir
 
 cfg = OmegaConf.create({
@@ -105,7 +105,7 @@ def test_a_quiet_run_says_what_it_waits_for(tmp_path: Path) -> None:
     import json
     import time
 
-    from launcher.tracking import waiting_line
+    from launcher.watch.tracking import waiting_line
     from rl.core.rundir import RunDir
 
     run = RunDir(tmp_path)

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from omegaconf import DictConfig
 
-from launcher.run_dir import group_alive
+from launcher.clusters.run_dir import group_alive
 from rl.core.auth import derive
 from rl.core.model import (
     ensure_checkpoint,

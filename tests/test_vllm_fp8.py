@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from launcher.errors import PlanError
-from launcher.plan import plan
+from launcher.plan.planner import plan
 from rl.core import fp8
 from rl.core.model import (
     empty_model,

@@ -23,7 +23,7 @@ MAX_PORT = 65535
 @dataclass(frozen=True)
 class Bounds:
     """The valid range of a numeric setting, kept on its field (`bounded`) and checked before
-    anything starts (launcher/checks.py). None on either side: unbounded there; `also`: values
+    anything starts (launcher/plan/checks.py). None on either side: unbounded there; `also`: values
     valid outside the range (-1 for "fill"); `text` replaces the generated description and
     `note` says what a boundary value means."""
 
@@ -168,7 +168,7 @@ class TrainerDevice(StrEnum):
 
 
 class Gpu(StrEnum):
-    """A GPU the planner knows the figures of (launcher/gpus.py: memory, bf16 TFLOP/s, HBM and
+    """A GPU the planner knows the figures of (launcher/plan/gpus.py: memory, bf16 TFLOP/s, HBM and
     network bandwidth)."""
 
     h100 = "h100"
@@ -327,7 +327,7 @@ class ModelConfig:
     as GLM-5's attention ranks for a tiny instance."""
     total_params_b: float = MISSING
     """Total parameters, in billions, as published (the plan derives its own count from the
-    fields above, launcher/memory.py, and a test holds the two together)."""
+    fields above, launcher/plan/costs/memory.py, and a test holds the two together)."""
     active_params_b: float = MISSING
     """Parameters active per token, in billions, as published."""
     seed: int = bounded(0, ge=0, le=MAX_SEED)
@@ -375,7 +375,7 @@ class InferenceParallelConfig:
 
     replicas: int = bounded(1, ge=1, also=(0,), note="or 0: sized by the plan")
     """Independent inference servers the orchestrator spreads requests over; 0: as many as
-    the plan's balance of generation against training asks for (launcher/sizing.py)."""
+    the plan's balance of generation against training asks for (launcher/plan/costs/fit.py)."""
     nodes_per_replica: int = 1
     """Nodes one replica spans; 0 lets the planner size it from the model's weights."""
     tp: int = bounded(1, ge=1)
@@ -531,7 +531,7 @@ class ClusterConfig:
     gpu: Gpu | None = None
     """Which GPU the nodes have (h100, h200, b200, a100, a100_40gb, l40s, rtx4090): its memory,
     bf16 TFLOP/s, HBM and network bandwidth fill the four settings below where they are
-    unset (launcher/gpus.py); None: on cluster=local, the one `nvidia-smi` names."""
+    unset (launcher/plan/gpus.py); None: on cluster=local, the one `nvidia-smi` names."""
     gpu_memory_gb: float | None = None
     """Memory of one GPU in GiB, for the planner's fit checks (0 skips them); None: the
     `gpu`'s (as `nvidia-smi` reports it: 79.6 for an H100 80GB), what `nvidia-smi` reports
@@ -599,7 +599,8 @@ class ClusterConfig:
     (jobs on whole GPU nodes always do)."""
     signal_delay_s: int | None = bounded(None, ge=0)
     """Slurm: seconds before the time limit at which a job is told to checkpoint and requeue;
-    None: the plan's estimate of a step and a checkpoint, with a margin (launcher/balance.py)."""
+    None: the plan's estimate of a step and a checkpoint, with a margin
+    (launcher/plan/costs/step_time.py)."""
     cpu_partition: str | None = None
     """Slurm partition of the control job (queue and orchestrator, no GPUs); None: `partition`."""
     gpu_tflops: float | None = bounded(None, gt=0)

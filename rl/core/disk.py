@@ -3,7 +3,8 @@ written and how much space was left there.
 
 A full disk (ENOSPC) or an exhausted quota (EDQUOT) is not a fault that a restart fixes. A role
 that meets one ends with one line and `EXIT_CODE` (rl/core/runtime.py's `run_role`), and the
-launcher ends the run with that line instead of restarting the role (launcher/processes.py).
+launcher ends the run with that line instead of restarting the role
+(launcher/clusters/processes.py).
 
 Writers raise it in many shapes: an OSError; SQLite's "database or disk is full"; safetensors'
 Rust I/O error ("os error 28"); DCP's CheckpointException, which holds each rank's error; the

@@ -449,7 +449,7 @@ class RunDir:
 
     def replica_nodes(self, instance: str) -> Path:
         """Where the processes of inference `instance` spanning nodes find each other's
-        starts (rl/inference/vllm.py's SpanningReplica)."""
+        starts (rl/inference/vllm/front.py's SpanningReplica)."""
         return self.internal / "replicas" / instance
 
     @property
@@ -476,7 +476,7 @@ class RunDir:
 
     @property
     def warm_up_lock(self) -> Path:
-        """Held while a sweep's shared base warms up (launcher/sweep_base.py)."""
+        """Held while a sweep's shared base warms up (launcher/sweeps/base.py)."""
         return self.internal / "warm-up.lock"
 
     @property
@@ -706,7 +706,7 @@ class RunDir:
     @property
     def trainer_waiting(self) -> Path:
         """The batch the trainer waits for (its number), there only while it waits: no step is
-        under way then, so a Ctrl-C stops it at once (launcher/local.py)."""
+        under way then, so a Ctrl-C stops it at once (launcher/clusters/local/launch.py)."""
         return self.internal / "trainer-waiting"
 
     @property

@@ -221,8 +221,8 @@ class Heartbeat(threading.Thread):
     of its own, so that the launcher can tell a live role from a hung one: a stopped or frozen
     process stops beating, however long its main thread legitimately waits. A server beats only
     while its own /health answers (ok, or starting): a blocked event loop or a failed engine
-    stops the beat too. The launcher (launcher/processes.py) kills and restarts a role whose
-    beat stops for `timeouts.hung_s`.
+    stops the beat too. The launcher (launcher/clusters/processes.py) kills and restarts a role
+    whose beat stops for `timeouts.hung_s`.
 
     Each beat rewrites the counter in place, at a fixed width: after the first, a beat takes no
     new space, so a role that is only waiting beats on when the disk fills, and the write that

@@ -1,7 +1,7 @@
 """`python -m rl.inference --run-dir D --replica I [-- vLLM args]`: one inference server of run D.
 
 The backend is the run's (rl/core/derive.py): the embedded engine (rl/inference/server.py), or
-vLLM behind Relay's routes (rl/inference/vllm.py), whose arguments the plan passes after `--`.
+vLLM behind Relay's routes (rl/inference/vllm/front.py), whose arguments the plan passes after `--`.
 A replica spanning nodes runs this on each of its nodes: the head (`--node 0`) serves, the
 others (`--node K --nodes N`) join it headless; a prefill/decode replica runs one per instance
 (`--instance prefill|decode`).
@@ -33,7 +33,7 @@ def main() -> None:
 
         serve(cfg, args.run_dir, name, logger)
         return
-    from rl.inference.vllm import serve, serve_headless
+    from rl.inference.vllm.front import serve, serve_headless
 
     if not args.rest:
         sys.exit("inference.backend=vllm: no vLLM arguments after '--' (start it from a plan)")

@@ -1,10 +1,10 @@
 """OpenAI's completions and chat completions API, over either inference backend.
 
 Both servers (the embedded engine, rl/inference/server.py, and the front of vLLM,
-rl/inference/vllm.py) register these routes with a `Backend`: something that turns token-id prompts
-and sampling settings into sampled tokens, whole or streamed. Everything else is here, once: request
-checking, chat templates and tool calls (rl/core/chat.py), stop strings, logprobs, usage, errors and
-server-sent events, so the official `openai` client sees the same API from both.
+rl/inference/vllm/front.py) register these routes with a `Backend`: something that turns token-id
+prompts and sampling settings into sampled tokens, whole or streamed. Everything else is here, once:
+request checking, chat templates and tool calls (rl/core/chat.py), stop strings, logprobs, usage,
+errors and server-sent events, so the official `openai` client sees the same API from both.
 
 - `/v1/models` lists the served model. A request naming any other model gets a 400.
 - Supported: `n`, `max_tokens` (`max_completion_tokens` in chat), `temperature`, `top_p`,

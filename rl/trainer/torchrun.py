@@ -3,7 +3,7 @@ with its ranks in its own process group, and a rank's full disk passed on as its
 
 torchrun starts each rank in a session of its own (its SubprocessHandler passes
 `start_new_session=True`), so signalling the trainer role's process group, which is how the
-launcher and the Slurm job supervisor stop, freeze and end a role (launcher/processes.py),
+launcher and the Slurm job supervisor stop, freeze and end a role (launcher/clusters/processes.py),
 reached torchrun but not its ranks: a SIGSTOP of the role left them training. Here each rank
 starts in torchrun's process group instead, so a signal to the role's group reaches every rank
 at once; torchrun's own teardown signals each rank by its pid (its handler signalled the rank's

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from omegaconf import DictConfig
 
-from launcher.processes import expand
-from launcher.vllm_args import PD_INSTANCES, vllm_args
+from launcher.clusters.processes import expand
 from rl.core.auth import token_auth
 from rl.core.runtime import wait_for_address
+from rl.inference.vllm.args import PD_INSTANCES, vllm_args
 from tests.support.runs import start_role, stop_role, write_run_dir
 
 TOKEN = "pd-test"

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.run_dir import group_alive
+from launcher.clusters.run_dir import group_alive
 from rl.core.config import ROLE_MODULES, register
 from rl.core.paths import CONF, ROOT
 from rl.core.rundir import RunDir

@@ -16,7 +16,6 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from launcher.vllm_args import vllm_args
 from rl.core.auth import token_auth
 from rl.core.model import (
     encode_prompt,
@@ -28,6 +27,7 @@ from rl.core.model import (
 from rl.core.runtime import wait_for_address
 from rl.envs import make_environment
 from rl.inference.generation import generate
+from rl.inference.vllm.args import vllm_args
 from rl.trainer.batches import pad_batch, token_logprobs
 from tests.support.runs import compose_run, start_role, stop_role, write_run_dir
 

@@ -9,9 +9,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.sizing import data_parallel, dp_per_node, shared_gpu, shared_split
 from rl.core.config import Placement
-from rl.core.derive import FILE_KV_CONNECTOR, kv_connector, max_model_len
+from rl.core.derive import (
+    FILE_KV_CONNECTOR,
+    data_parallel,
+    dp_per_node,
+    kv_connector,
+    max_model_len,
+)
 from rl.core.lora import enabled as lora_enabled
 from rl.core.rundir import KV_FILES
 
@@ -72,10 +77,16 @@ def kv_transfer_config(cfg: DictConfig, kv_role: str, instance: str) -> dict[str
 
 
 def vllm_args(
-    cfg: DictConfig, replica_nodes: int, kv_role: str | None, instance: str = "inference-0"
+    cfg: DictConfig,
+    replica_nodes: int,
+    kv_role: str | None,
+    instance: str = "inference-0",
+    gpu_share: float | None = None,
 ) -> list[str]:
     """Arguments of vLLM's OpenAI server for one replica (or prefill/decode `instance`) of this
-    model and layout; a replica spanning nodes adds `spanning_args` per node."""
+    model and layout; a replica spanning nodes adds `spanning_args` per node. `gpu_share`: the
+    share of a GPU the planner left it beside the trainer (None: the model's
+    `gpu_memory_utilization`)."""
     model, inf, cluster = cfg.model, cfg.parallel.inference, cfg.cluster
     serve = model.inference
     found = cluster.gpus_per_node or 0  # None (not yet filled in by plan()): none
@@ -98,7 +109,7 @@ def vllm_args(
     args += ["--dtype", dtype]
     args += ["--max-model-len", str(max_model_len(cfg))]
     if found:
-        share = shared_split(cfg).utilization if shared_gpu(cfg) else serve.gpu_memory_utilization
+        share = gpu_share or serve.gpu_memory_utilization
         args += ["--gpu-memory-utilization", str(share)]
         if cfg.placement == Placement.colocated:
             args.append("--enable-sleep-mode")  # the orchestrator sleeps it while training

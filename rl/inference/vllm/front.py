@@ -184,7 +184,7 @@ class VllmProcess:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path,
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # fmt: skip
         if self.headless:  # `vllm serve --headless`, which vLLM's own server module lacks
-            argv = [self.python, "-m", "rl.inference.vllm_serve", *self.args]
+            argv = [self.python, "-m", "rl.inference.vllm.serve", *self.args]
         else:
             argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
             argv += ["--host", HOST, "--port", str(self.port)]

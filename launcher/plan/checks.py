@@ -1,5 +1,5 @@
 """Every refusal a run gets before anything is sized or started, each one line that names the
-key and the fix (launcher/plan.py calls `check_run` first):
+key and the fix (launcher/plan/planner.py calls `check_run` first):
 
 - each setting within its range: the bounds its field carries in the schema (rl/core/config.py);
 - settings that contradict each other: a checkpoint warning after the time limit, a queue
@@ -19,7 +19,7 @@ key and the fix (launcher/plan.py calls `check_run` first):
   (MiniMax-M2's 1536-wide experts over TP8 are 192 wide, not a multiple of 128) is served with
   expert parallelism, which keeps each expert whole.
 
-What depends on the run's size (nodes, GPUs, memory) is refused in launcher/sizing.py. A run
+What depends on the run's size (nodes, GPUs, memory) is refused in launcher/plan/costs/fit.py. A run
 directory on a filesystem with less free space than the run's checkpoints and weights need
 is warned of (`disk_warning`), not refused: the estimate is rough, and space may be freed.
 """
@@ -38,9 +38,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import PlanError, refuse
-from launcher.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
-from launcher.sizing import MIN_TOKENS_PER_CP_RANK, disk_need
-from launcher.vllm_args import VLLM_LORA_RANKS
+from launcher.plan.costs.fit import MIN_TOKENS_PER_CP_RANK, disk_need
+from launcher.plan.costs.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
 from rl.core import lora
 from rl.core.config import (
     STEP_FIELDS,
@@ -55,6 +54,7 @@ from rl.core.config import (
 from rl.core.derive import inference_backend, max_model_len, precision, weight_transport
 from rl.core.disk import free_bytes, size
 from rl.envs import locate as locate_environment
+from rl.inference.vllm.args import VLLM_LORA_RANKS
 
 FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped FP8 checkpoints
 LOCAL_SOURCES = ("random", "gguf_package")  # built here, or shipped inside a Python package
@@ -324,7 +324,7 @@ def check_this_machine(cfg: DictConfig) -> list[str]:
     """What a cluster=local run needs of this machine (run where it is planned, so checked
     here, dry run included): the GPUs it declares, and vLLM where it serves with vLLM. A dry
     run plans what this machine lacks as declared: returns the notes that say so."""
-    from launcher.gpus import describe, detect
+    from launcher.plan.gpus import describe, detect
 
     check_wandb_login(cfg)
     if cfg.cluster.kind != ClusterKind.local:
@@ -358,7 +358,7 @@ def check_this_machine(cfg: DictConfig) -> list[str]:
 def check_wandb_login(cfg: DictConfig) -> None:
     """wandb online needs an API key (WANDB_API_KEY, or a `wandb login` in ~/.netrc): without
     one, wandb.init fails after the run directory is made."""
-    from launcher.tracking import wandb_mode
+    from launcher.watch.tracking import wandb_mode
 
     if wandb_mode(cfg) != "online" or os.environ.get("WANDB_API_KEY"):
         return
@@ -510,7 +510,7 @@ def check_weights(cfg: DictConfig) -> None:
 
 def disk_warning(cfg: DictConfig, run_dir: Path, done: int = 0) -> str | None:
     """A one-line warning when the filesystem of `run_dir` has less free space than the run's
-    checkpoints and published weights will take from step `done` on (launcher/sizing.py's
+    checkpoints and published weights will take from step `done` on (launcher/plan/costs/fit.py's
     estimate, stated in the line); None when it has room or cannot be read."""
     need, free = disk_need(cfg, done), free_bytes(run_dir)
     if free is None or free >= need.total:

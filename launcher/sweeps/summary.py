@@ -2,7 +2,7 @@
 ended, its last rewards and pace; and where points differ only in their seed, one row per
 group of them, with mean +- sd over the seeds and whether the best group's lead exceeds that
 spread) and `sweep.png` (every point's reward curves, or each group's mean with a band),
-written into the sweep directory when a multirun ends (`SweepEnd` in launcher/shared_sweep.py, a
+written into the sweep directory when a multirun ends (`SweepEnd` in launcher/sweeps/shared.py, a
 Hydra callback) and again by `rl action=status run_dir=<sweep dir>` (a Slurm sweep's points end
 after the command that submitted them).
 """
@@ -17,10 +17,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from launcher.clusters.run_dir import running_roles
+from launcher.clusters.slurm.cli import job_states, read_jobs
 from launcher.errors import ConfigError
-from launcher.report import read_records, read_summary
-from launcher.run_dir import running_roles
-from launcher.slurm_cli import job_states, read_jobs
+from launcher.watch.report import read_records, read_summary
 from rl.core.kinds import is_eval, is_train
 from rl.core.rundir import SERVICE, RunDir, point_dirs
 

@@ -23,9 +23,7 @@ from typing import Any
 
 import submitit
 
-from launcher import slurm_cli
-from launcher.errors import ConfigError
-from launcher.processes import (
+from launcher.clusters.processes import (
     FINISHING_ROLES,
     POLL_S,
     Child,
@@ -36,9 +34,11 @@ from launcher.processes import (
     spawn,
     stop_children,
 )
-from launcher.report import finish_run
-from launcher.slurm_jobs import node_env
-from launcher.tracking import Follow
+from launcher.clusters.slurm import cli as slurm_cli
+from launcher.clusters.slurm.jobs import node_env
+from launcher.errors import ConfigError
+from launcher.watch.report import finish_run
+from launcher.watch.tracking import Follow
 from rl.core.rundir import SERVICE, RunDir, point_dirs, shared_service, write_atomic
 from rl.core.runtime import (
     CHECKPOINT_ON_TERM_ENV,
@@ -80,7 +80,7 @@ class JobRoles(submitit.helpers.Checkpointable):
     """What submitit runs in each job: `JobRoles(run_dir, job)()` on every node of the job.
 
     submitit pickles it on the login node and the job unpickles it by its module path
-    (`launcher.supervisor.JobRoles`), so it stays a top-level class of this module.
+    (`launcher.clusters.slurm.supervisor.JobRoles`), so it stays a top-level class of this module.
     """
 
     def __init__(self, run_dir: str, job: str) -> None:
@@ -358,7 +358,7 @@ class NodeSupervisor:
 
     def check_children(self) -> list[Child]:
         """The roles that finished cleanly; a role that died, or hung (no heartbeat for
-        `timeouts.hung_s`: launcher/processes.py's Liveness), is restarted, within
+        `timeouts.hung_s`: launcher/clusters/processes.py's Liveness), is restarted, within
         `max_restarts`, and past that fails the run."""
         finished = []
         for child in self.children:

@@ -1,10 +1,10 @@
 """The local launcher: every role a child process in its own process group on this machine.
 
 It writes the run directory, starts the roles from the plan, waits for each server to be
-ready, shows progress and logs to wandb as metrics.jsonl grows (launcher/tracking.py), and
+ready, shows progress and logs to wandb as metrics.jsonl grows (launcher/watch/tracking.py), and
 tears everything down together: on success, on Ctrl-C, and as soon as any role dies (naming
 it and showing its last log lines), writing summary.json with how it ended. Only our own
-process groups are signalled, by id (launcher/processes.py).
+process groups are signalled, by id (launcher/clusters/processes.py).
 
 Ctrl-C (or SIGTERM) first asks the trainer to checkpoint the step under way, as a Slurm job's
 time-limit signal does, and waits for it (up to `timeouts.interrupt_s`); a second one stops
@@ -29,8 +29,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.plan import RunPlan, plan_header, warm_up_line
-from launcher.processes import (
+from launcher.clusters.processes import (
     FINISHING_ROLES,
     POLL_S,
     Child,
@@ -43,9 +42,10 @@ from launcher.processes import (
     spawn,
     stop_children,
 )
-from launcher.report import finish_run, override, sweep_group
-from launcher.run_dir import prepare_run_dir
-from launcher.tracking import Follow
+from launcher.clusters.run_dir import prepare_run_dir
+from launcher.plan.planner import RunPlan, plan_header, warm_up_line
+from launcher.watch.report import finish_run, override, sweep_group
+from launcher.watch.tracking import Follow
 from rl.core.disk import DiskFull
 from rl.core.rundir import RunDir, write_atomic
 from rl.core.runtime import CHECKPOINT_ON_TERM_ENV, RUN_DIR_ENV

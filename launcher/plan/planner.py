@@ -1,9 +1,9 @@
 """Run planning: one pure function from a composed config to every process of the run.
 
-`plan` first refuses what cannot work (launcher/checks.py), then sizes the run and refuses what
-does not fit (launcher/sizing.py), then builds each process (queue, orchestrator, inference
+`plan` first refuses what cannot work (launcher/plan/checks.py), then sizes the run and refuses what
+does not fit (launcher/plan/costs/fit.py), then builds each process (queue, orchestrator, inference
 replicas and their routers, the trainer's torchrun) with its argv and environment, and each
-Slurm job's resources; vLLM's arguments come from launcher/vllm_args.py. So a bad combination
+Slurm job's resources; vLLM's arguments come from rl/inference/vllm/args.py. So a bad combination
 fails before anything starts and the plan a dry run prints is exactly what the launcher
 executes. The values the roles derive too (backend, served length, learning rate, mesh
 degrees) come from rl/core/derive.py, so the plan and the roles cannot disagree. No torch, no
@@ -19,18 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from omegaconf import DictConfig
 
-from launcher.checks import check_bounds, check_run
-from launcher.estimates import estimate_notes
-from launcher.sizing import (
-    Footprint,
-    disaggregated,
-    fill_gpus,
-    inference_nodes,
-    per_node,
-    replica_gpus,
-    size_run,
-)
-from launcher.slurm_jobs import (
+from launcher.clusters.slurm.jobs import (
     Job,
     node_env_line,
     one_allocation,
@@ -39,7 +28,19 @@ from launcher.slurm_jobs import (
     slurm_jobs,
     srun_args,
 )
-from launcher.vllm_args import PD_INSTANCES, spanning_args, vllm_args
+from launcher.plan.checks import check_bounds, check_run
+from launcher.plan.costs.figures import estimate_notes
+from launcher.plan.costs.fit import (
+    Footprint,
+    disaggregated,
+    fill_gpus,
+    inference_nodes,
+    per_node,
+    replica_gpus,
+    shared_gpu,
+    shared_split,
+    size_run,
+)
 from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Backend, ClusterKind, Placement
 from rl.core.derive import (
     broadcast_backend,
@@ -49,6 +50,7 @@ from rl.core.derive import (
     max_model_len,
 )
 from rl.core.rundir import RunDir
+from rl.inference.vllm.args import PD_INSTANCES, spanning_args, vllm_args
 
 RUN_ARGS = ["--run-dir", "${RELAY_RUN_DIR}"]
 """Every role's arguments: its run directory, which each process's environment names."""
@@ -233,7 +235,8 @@ def replica_processes(
         argv += ["--instance", part]
     if nodes > 1:
         argv += ["--nodes", str(nodes)]
-    served = vllm_args(cfg, nodes, PD_INSTANCES.get(part or ""), name)
+    share = shared_split(cfg).utilization if shared_gpu(cfg) else None  # beside the trainer
+    served = vllm_args(cfg, nodes, PD_INSTANCES.get(part or ""), name, share)
     processes = []
     for rank in range(nodes):
         node_argv = [*argv, "--node", str(rank)] if rank else list(argv)

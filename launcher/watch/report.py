@@ -1,5 +1,5 @@
 """End of a run: the reward/eval plot, summary.json, and the result for the terminal (the
-wandb run is logged while the run goes on: launcher/tracking.py).
+wandb run is logged while the run goes on: launcher/watch/tracking.py).
 
 The local launcher and a Slurm run's control job both finish a run this way; it reads and
 writes only the run directory (rl/core/rundir.py), so it imports no launcher module.

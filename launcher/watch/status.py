@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.clusters.run_dir import running_roles
+from launcher.clusters.slurm.cli import JobState, failure_reason, job_states, read_jobs
 from launcher.errors import ConfigError
-from launcher.report import LAST_STEPS, override, read_records, read_summary
-from launcher.run_dir import running_roles
-from launcher.slurm_cli import JobState, failure_reason, job_states, read_jobs
-from launcher.tracking import ETA_WINDOW, duration
+from launcher.watch.report import LAST_STEPS, override, read_records, read_summary
+from launcher.watch.tracking import ETA_WINDOW, duration
 from rl.core.kinds import is_eval, is_train
 from rl.core.paths import CONF
 from rl.core.rundir import CONFIG, RunDir
@@ -75,7 +75,7 @@ def find_run(run_dir: str | None, outputs: Path) -> RunDir:
 def status(run_dir: str | None, outputs: Path) -> None:
     """The run's status; for a sweep directory, its comparison table (written anew)."""
     if run_dir and not RunDir(Path(run_dir)).config.exists():
-        from launcher.sweep_summary import write_sweep_summary
+        from launcher.sweeps.summary import write_sweep_summary
 
         table = write_sweep_summary(Path(run_dir))
         if table is not None:

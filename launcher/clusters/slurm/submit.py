@@ -1,12 +1,12 @@
 """Slurm from a login node: check the plan against the cluster, submit it, look at it later.
 
-`submit` asks the cluster what it has (partitions, their nodes' CPUs, memory and GPUs, the
-user's accounts and QOS) and fails before anything is submitted when a job cannot fit. It then
-submits one job per set of roles (control, inference, trainer) with submitit, each held until
-all are in (so a failed submission leaves no job running and no run directory), records their
-ids in `jobs.json` and returns. Every job runs `launcher.supervisor.JobRoles`, which starts
-that job's roles, watches the other jobs and cancels the run when one of them fails. The Slurm
-clients themselves are called through launcher/slurm_cli.py.
+`submit` asks the cluster what it has (partitions, their nodes' CPUs, memory and GPUs, the user's
+accounts and QOS) and fails before anything is submitted when a job cannot fit. It then submits one
+job per set of roles (control, inference, trainer) with submitit, each held until all are in (so a
+failed submission leaves no job running and no run directory), records their ids in `jobs.json` and
+returns. Every job runs `launcher.clusters.slurm.supervisor.JobRoles`, which starts that job's
+roles, watches the other jobs and cancels the run when one of them fails. The Slurm clients
+themselves are called through launcher/clusters/slurm/cli.py.
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from pathlib import Path
 import submitit
 from omegaconf import DictConfig, open_dict
 
-from launcher import slurm_cli
-from launcher.errors import ConfigError
-from launcher.plan import RunPlan
-from launcher.processes import FINISHING_ROLES
-from launcher.report import override, sweep_group
-from launcher.run_dir import prepare_run_dir
-from launcher.slurm_cli import (
+from launcher.clusters.processes import FINISHING_ROLES
+from launcher.clusters.run_dir import prepare_run_dir
+from launcher.clusters.slurm import cli as slurm_cli
+from launcher.clusters.slurm.cli import (
     Partition,
     cancel_run,
     ended,
@@ -39,9 +36,17 @@ from launcher.slurm_cli import (
     slurm,
     write_jobs,
 )
-from launcher.slurm_jobs import additional_parameters, max_requeues, sbatch_parameters, srun_args
-from launcher.status import find_run, format_status
-from launcher.supervisor import JobRoles
+from launcher.clusters.slurm.jobs import (
+    additional_parameters,
+    max_requeues,
+    sbatch_parameters,
+    srun_args,
+)
+from launcher.clusters.slurm.supervisor import JobRoles
+from launcher.errors import ConfigError
+from launcher.plan.planner import RunPlan
+from launcher.watch.report import override, sweep_group
+from launcher.watch.status import find_run, format_status
 from rl.core.rundir import RunDir, sweep_point
 
 CANCEL_CHECKPOINT_S = 60.0
@@ -81,7 +86,7 @@ def _check_python(cfg: DictConfig, partition: str) -> None:
     args += [f"--immediate={PYTHON_CHECK_S}", "--quiet", *srun_args(cfg)]
     if cfg.cluster.account:
         args.append(f"--account={cfg.cluster.account}")
-    probe = "import launcher.supervisor, rl.core.runtime"
+    probe = "import launcher.clusters.slurm.supervisor, rl.core.runtime"
     try:
         done = subprocess.run(
             [*args, *python, "-c", probe],
@@ -111,7 +116,7 @@ def _warn_of_kill_wait(cfg: DictConfig) -> None:
     trainer's checkpoint of the step under way must fit in it."""
     if not cfg.cluster.gpus_per_node:
         return
-    from launcher.balance import checkpoint_seconds
+    from launcher.plan.costs.step_time import checkpoint_seconds
 
     need = checkpoint_seconds(cfg, bool(cfg.trainer.stop_checkpoint_optimizer))
     kill_wait = slurm_cli.kill_wait_s()

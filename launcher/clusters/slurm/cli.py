@@ -1,11 +1,11 @@
 """Slurm's command-line clients, and what a run directory records about a run's jobs.
 
-Submission from the login node (launcher/slurm.py) and each job's supervisor
-(launcher/supervisor.py) both ask Slurm the same things: what the partitions hold, each job's
-state (from the controller, or the accounting database once the controller has forgotten
-the job), a node's address. Both also read the run's job ids and write why it ended. These
-live here, below both, and call the Slurm clients (`scontrol`, `sinfo`, `squeue`, `sacct`,
-`sacctmgr`, `scancel`) as a user would.
+Submission from the login node (launcher/clusters/slurm/submit.py) and each job's supervisor
+(launcher/clusters/slurm/supervisor.py) both ask Slurm the same things: what the partitions hold,
+each job's state (from the controller, or the accounting database once the controller has forgotten
+the job), a node's address. Both also read the run's job ids and write why it ended. These live
+here, below both, and call the Slurm clients (`scontrol`, `sinfo`, `squeue`, `sacct`, `sacctmgr`,
+`scancel`) as a user would.
 """
 
 from __future__ import annotations

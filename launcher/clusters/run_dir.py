@@ -16,7 +16,7 @@ from rl.core.rundir import RunDir
 if TYPE_CHECKING:  # `rl action=status` asks `running_roles` without Hydra's imports
     from omegaconf import DictConfig
 
-    from launcher.plan import RunPlan
+    from launcher.plan.planner import RunPlan
 
 
 def prepare_run_dir(cfg: DictConfig, run_plan: RunPlan) -> tuple[RunDir, str]:

@@ -17,8 +17,9 @@ What each job asks:
 
 Before its step each job runs the site's `cluster.setup` lines and exports `cluster.env`; its
 srun gets `cluster.srun_args` and, with pyxis, `--container-image`/`--container-mounts`. Each
-node's supervisor adds per node what only the node knows (launcher/supervisor.py: its address
-as vLLM's NIXL side channel host, the NCCL and gloo interface).
+node's supervisor adds per node what only the node knows
+(launcher/clusters/slurm/supervisor.py: its address as vLLM's NIXL side channel host, the NCCL
+and gloo interface).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.sizing import Footprint, inference_nodes, pd_factor, per_node, replica_gpus
+from launcher.plan.costs.fit import Footprint, inference_nodes, pd_factor, per_node, replica_gpus
 from rl.core.config import Allocation
 
 CONTROL_CPUS = 8

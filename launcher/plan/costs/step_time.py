@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.memory import (
+from launcher.plan.costs.memory import (
     DTYPE_BYTES,
     InferenceMemory,
     TrainerOptions,

@@ -1,13 +1,22 @@
 """The plan's estimates on a GPU cluster, as the dry run prints them: each GPU's memory term by
 term, the step's balance, the weight sync and the preemption checkpoint; and the signal delay
-decided from them (or refused with the numbers). launcher/memory.py and launcher/balance.py
-hold the arithmetic; this module puts a planned run's numbers into it."""
+decided from them (or refused with the numbers). launcher/plan/costs/memory.py and
+launcher/plan/costs/step_time.py hold the arithmetic; this module puts a planned run's numbers
+into it."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from launcher.balance import (
+from launcher.errors import refuse
+from launcher.plan.costs.fit import (
+    Footprint,
+    decide,
+    disaggregated,
+    replica_gpus_of,
+    replica_memory,
+)
+from launcher.plan.costs.step_time import (
     SLURM_MAX_SIGNAL_S,
     Sync,
     checkpoint_bytes,
@@ -20,14 +29,6 @@ from launcher.balance import (
     sync_seconds,
     train_seconds,
     workload,
-)
-from launcher.errors import refuse
-from launcher.sizing import (
-    Footprint,
-    decide,
-    disaggregated,
-    replica_gpus_of,
-    replica_memory,
 )
 from rl.core.config import ClusterKind, WeightTransport
 from rl.core.derive import kept_versions, max_model_len, weight_transport
@@ -81,7 +82,7 @@ def estimate_notes(cfg: DictConfig, size: Footprint) -> list[str]:
         f"{replica_gpus} GPUs (prefill {duration(gen.prefill_s)}, decode "
         f"{duration(gen.decode_s)} at {gen.batch_per_gpu} sequences per GPU); the trainer "
         f"waits {1 - train_s / slower:.0%} of the step, inference {1 - gen.seconds / slower:.0%}"
-        " (launcher/balance.py states the efficiencies)",
+        " (launcher/plan/costs/step_time.py states the efficiencies)",
         weight_sync_note(cfg, sync, replicas * (2 if pd else 1)),
     ]
     notes.append(preemption_note(cfg, slower + sync.seconds))

@@ -1,0 +1,1 @@
+"""cluster=local: every role of the run started on this machine and supervised to the end."""
