@@ -11,13 +11,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.branch import branch, branch_hint
+from launcher.clusters.base import cluster_of
 from launcher.errors import ConfigError
 from launcher.hydra_dirs import remove_made
 from launcher.plan.checks import absolute_paths, check_this_machine, check_weights, disk_warning
 from launcher.plan.planner import format_plan, plan
 from launcher.sweeps.base import shares_a_base, start_from_base
 from launcher.watch.report import override
-from rl.core.config import Action, ClusterKind, RunConfig
+from rl.core.config import Action, RunConfig
 from rl.core.rundir import CONFIG, INTERNAL, TOKEN, RunDir, step_versions
 
 
@@ -79,22 +80,10 @@ def launch(cfg: DictConfig) -> None:
         return
     for note in branched:
         print(note, flush=True)
-    if cfg.cluster.kind == ClusterKind.slurm:
-        from launcher.clusters.slurm.submit import submit
-
-        try:
-            submit(cfg, run_plan)
-        finally:
-            remove_made(run_dir)
-        return
-    from launcher.clusters.local.launch import run_local
-    from rl.core.model import ensure_checkpoint
-
-    # Build or convert the model once here, not concurrently in every role (SmolLM2's GGUF
-    # conversion takes about a minute); later calls find it in the cache.
-    if not cfg.model.path:
-        print(f"model: {ensure_checkpoint(cfg.model)}", flush=True)
-    run_local(cfg, run_plan)
+    try:
+        cluster_of(cfg).start(run_plan)
+    finally:
+        remove_made(run_dir)  # where the run went elsewhere and left it empty
 
 
 RESUMABLE = ("max_steps", "max_restarts", "environment.eval_every", "trainer.checkpoint_every")
@@ -151,7 +140,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
     check_this_machine(cfg_now)
     check_weights(cfg_now)
-    _check_ended(cfg_now, run)
+    cluster_of(cfg_now).check_ended(run)
     warn_of_disk(cfg_now, run.root, max(step_versions(run.checkpoints), default=0))
     if changed:
         run.write_config(OmegaConf.to_yaml(config))
@@ -160,19 +149,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
     for marker in (run.summary, run.complete):  # an extended run is open again
         marker.unlink(missing_ok=True)
     _say_where_it_resumes(run, steps, changed)
-    if cfg_now.cluster.kind == ClusterKind.slurm:
-        from launcher.clusters.slurm.submit import resubmit
-
-        resubmit(cfg_now, run_plan, run)
-        return
-    if cfg_now.inference.shared:  # a point of a sweep sharing inference: with the service
-        from launcher.sweeps.shared import resume_point
-
-        resume_point(cfg_now, run_plan, run)
-        return
-    from launcher.clusters.local.launch import run_local
-
-    run_local(cfg_now, run_plan, resume=run)
+    cluster_of(cfg_now).resume(run_plan, run)
 
 
 GROUPS = ("model", "parallel", "algorithm", "environment", "cluster", "placement", "experiment")
@@ -214,20 +191,6 @@ def warn_of_disk(cfg: Any, run_dir: Path, done: int = 0) -> None:
     free space than the run's checkpoints and weights will take (launcher/plan/checks.py)."""
     if warning := disk_warning(cfg, run_dir, done):
         print(warning, file=sys.stderr, flush=True)
-
-
-def _check_ended(cfg: Any, run: RunDir) -> None:
-    """ConfigError while any process (or Slurm job) of the run is still alive."""
-    if cfg.cluster.kind == ClusterKind.slurm:
-        from launcher.clusters.slurm.submit import check_ended
-
-        check_ended(run)
-        return
-    from launcher.clusters.run_dir import running_roles
-
-    alive = running_roles(run)
-    if alive:
-        raise ConfigError(f"resume={run.root}: the run is still running ({', '.join(alive)})")
 
 
 def resumable(key: str) -> bool:

@@ -21,11 +21,12 @@ import httpx
 import pytest
 import torch
 
+from launcher.clusters.base import Process
 from launcher.clusters.local.launch import run_local
 from launcher.clusters.processes import RoleDiskFull, check_children, spawn, stop_children
 from launcher.plan.checks import disk_warning
 from launcher.plan.costs.fit import disk_need
-from launcher.plan.planner import Process, plan
+from launcher.plan.planner import plan
 from rl.core import disk, wire
 from rl.core.auth import token_auth
 from rl.core.disk import DiskFull, writing

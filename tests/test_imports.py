@@ -191,6 +191,7 @@ LAUNCHER_LAYERS = (
         "launcher.watch",
         "launcher.watch.report",
     ),
+    ("launcher.clusters.base",),
     (
         "launcher.plan.costs.step_time",
         "launcher.watch.tracking",
@@ -211,6 +212,7 @@ LAUNCHER_LAYERS = (
     ("launcher.clusters.slurm.submit",),
     ("launcher.sweeps.base",),
     ("launcher.sweeps.shared",),
+    ("launcher.clusters.local.cluster", "launcher.clusters.slurm.cluster"),
     ("launcher.run",),
     ("launcher.cli",),
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.clusters.base import cluster_of
 from launcher.errors import PlanError
 from launcher.plan.costs.fit import fill_gpus, replica_nodes
 from launcher.plan.costs.memory import TrainerOptions, inference_memory, params, trainer_memory
@@ -234,7 +235,8 @@ def test_item6_weight_sync_is_estimated_against_the_link_and_disk() -> None:
     # of 3,350 GB/s: 2.5 s), and broadcasts 746 GB over the link (18.6 s).
     cfg = compose_run(*GLM5)
     p = plan(cfg)
-    assert weight_transport(cfg) == WeightTransport.broadcast
+    assert weight_transport(cfg) == WeightTransport.broadcast  # as the plan decided it
+    assert weight_transport(compose_run(*GLM5), spans_nodes=True) == WeightTransport.broadcast
     note = next(n for n in p.notes if n.startswith("weight sync"))
     for part in (
         "weight sync ~58.2 s a version",
@@ -254,7 +256,8 @@ def test_item6_weight_sync_is_estimated_against_the_link_and_disk() -> None:
         (*GLM5, "model.lora.rank=16"),
         ("cluster=slurm", "cluster.gpus_per_node=8", "placement=colocated"),
     ):
-        assert weight_transport(compose_run(*overrides)) == WeightTransport.filesystem
+        cfg = compose_run(*overrides)
+        assert weight_transport(cfg, cluster_of(cfg).spans_nodes) == WeightTransport.filesystem
 
 
 def test_item7_signal_delay_covers_the_step_and_the_checkpoint() -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.clusters.base import cluster_of
 from launcher.errors import PlanError, refuse
 from launcher.plan.costs.fit import MIN_TOKENS_PER_CP_RANK, disk_need
 from launcher.plan.costs.memory import DTYPE_BYTES, TRAINER_STATE_COPIES, params
@@ -46,7 +47,6 @@ from rl.core.config import (
     SWEEP_METRICS,
     Backend,
     BroadcastBackend,
-    ClusterKind,
     Placement,
     WeightTransport,
     bounded_settings,
@@ -106,7 +106,8 @@ def check_relations(cfg: DictConfig) -> None:
             "host; set trainer.activation_checkpointing=true too"
         )
     delay = cluster.signal_delay_s
-    if cluster.kind == ClusterKind.slurm and delay is not None and delay >= cluster.time_min * 60:
+    limit = cluster_of(cfg).time_limit_s()
+    if limit is not None and delay is not None and delay >= limit:
         raise PlanError(
             f"cluster.signal_delay_s={cluster.signal_delay_s}: the checkpoint warning must come "
             f"before the time limit, below cluster.time_min={cluster.time_min} x 60 s"
@@ -298,7 +299,7 @@ def check_cpu_fit(cfg: DictConfig) -> None:
     if cfg.trainer.device == "cuda":
         raise PlanError(
             f"trainer.device=cuda: cluster={cluster.name} has no GPUs (cluster.gpus_per_node=0"
-            + (", and nvidia-smi finds none here" if cluster.kind == ClusterKind.local else "")
+            + ("" if cluster_of(cfg).spans_nodes else ", and nvidia-smi finds none here")
             + "); use trainer.device=auto (the GPUs where there are, else the CPU) or cpu"
         )
     quantization = model.inference.quantization
@@ -327,7 +328,7 @@ def check_this_machine(cfg: DictConfig) -> list[str]:
     from launcher.plan.gpus import describe, detect
 
     check_wandb_login(cfg)
-    if cfg.cluster.kind != ClusterKind.local:
+    if cluster_of(cfg).spans_nodes:
         return []
     notes = []
     declared = cfg.cluster.gpus_per_node or 0
@@ -449,14 +450,14 @@ def check_shared_inference(cfg: DictConfig) -> None:
             f"{key}: the shared inference serves one base and each point's LoRA adapter; set "
             f"model.lora.rank (for example model.lora.rank=16)"
         )
-    slurm = cfg.cluster.kind == ClusterKind.slurm
-    if slurm and cfg.warmup.steps:
+    spans = cluster_of(cfg).spans_nodes
+    if spans and cfg.warmup.steps:
         raise PlanError(
             f"warmup.steps={cfg.warmup.steps}: on Slurm a shared sweep starts every point from "
             f"the base it is given (model.path, for example a run's weights/step_0); set "
             f"warmup.steps=0"
         )
-    if not slurm and cfg.cluster.gpus_per_node:
+    if not spans and cfg.cluster.gpus_per_node:
         raise PlanError(
             f"{key} on one machine's GPUs: not built yet (each point's trainer needs GPUs of "
             f"its own beside the service's); sweep with cluster=slurm, or without it"

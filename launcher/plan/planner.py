@@ -15,39 +15,32 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from omegaconf import DictConfig
 
-from launcher.clusters.slurm.jobs import (
-    Job,
-    node_env_line,
-    one_allocation,
-    sbatch_flags,
-    setup_lines,
-    slurm_jobs,
-    srun_args,
-)
+from launcher.clusters.base import Job, Process, cluster_of
 from launcher.plan.checks import check_bounds, check_run
 from launcher.plan.costs.figures import estimate_notes
 from launcher.plan.costs.fit import (
     Footprint,
+    decide,
     disaggregated,
     fill_gpus,
-    inference_nodes,
     per_node,
     replica_gpus,
     shared_gpu,
     shared_split,
     size_run,
 )
-from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Backend, ClusterKind, Placement
+from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Backend, Placement
 from rl.core.derive import (
     broadcast_backend,
     inexact,
     inference_backend,
     learning_rate,
     max_model_len,
+    weight_transport,
 )
 from rl.core.rundir import RunDir
 from rl.inference.vllm.args import PD_INSTANCES, spanning_args, vllm_args
@@ -57,25 +50,6 @@ RUN_ARGS = ["--run-dir", "${RELAY_RUN_DIR}"]
 
 # Both roles of a shared placement see the one GPU as their device 0.
 SHARED_DEVICE = {"CUDA_VISIBLE_DEVICES": "0"}
-
-
-@dataclass
-class Process:
-    """One process the launcher starts."""
-
-    role: str
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    job: str = "local"
-    nodes: int = 1
-    gpus_per_node: int = 0
-    node: int = 0
-    """The first of its job's nodes it runs on (the trainer runs on `nodes` nodes from it)."""
-    head: int | None = None
-    """For each process of an inference replica spanning nodes (one per node): the node of the
-    replica's head, whose address and port the others join (`${RELAY_HEAD_ADDR}`,
-    `${RELAY_HEAD_PORT}`)."""
 
 
 # glibc's malloc returns every large block to the kernel when it is freed and maps it afresh on
@@ -119,7 +93,10 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     A point of a sweep that shares inference (`inference.shared`) plans its queue,
     orchestrator and trainer; `service=True` plans that sweep's inference service alone."""
     check_bounds(cfg)
+    cluster = cluster_of(cfg)
     found = fill_gpus(cfg)
+    transport = weight_transport(cfg, cluster.spans_nodes)  # recorded for the roles
+    decide(cfg.inference, "weight_transport", transport)
     notes = [note for note in (found, *check_run(cfg)) if note]
     size = size_run(cfg)
     estimates = estimate_notes(cfg, size)
@@ -129,14 +106,11 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         *inference_processes(cfg, size, devices),
         trainer_process(cfg, size, devices),
     ]
-    jobs = slurm_jobs(cfg, size) if cfg.cluster.kind == ClusterKind.slurm else []
-    if cfg.cluster.kind == ClusterKind.slurm and one_allocation(cfg):
-        serving = inference_nodes(cfg, size.replica_nodes)
-        processes = [in_one_job(proc, serving) for proc in processes]
+    processes, jobs = cluster.place(size, processes)
     if cfg.inference.shared:  # the sweep's inference service, or a point's own roles
         processes, jobs, shared_notes = sweep_share(processes, jobs, service)
         notes += shared_notes
-    notes += size.notes + cluster_notes(cfg) + estimates
+    notes += size.notes + cluster.notes() + estimates
     env = cfg.environment
     return RunPlan(
         run_name=cfg.name,
@@ -153,13 +127,6 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         notes=notes,
         inexact=inexact(cfg),
     )
-
-
-def in_one_job(proc: Process, serving: int) -> Process:
-    """A process of a run that is one Slurm job: the trainer on the nodes after the
-    `serving` inference nodes; the queue and orchestrator beside the first replica."""
-    node = proc.node + serving if proc.role == "trainer" else proc.node
-    return replace(proc, job="run", node=node)
 
 
 def control_processes() -> list[Process]:
@@ -181,8 +148,7 @@ def cpu_env(cfg: DictConfig) -> dict[str, str]:
     """A CPU role's threads and allocator. On a CPU node trainer and inference run side by
     side: split the cores between them instead of letting both oversubscribe every core;
     colocated, they take turns, each with every core. On Slurm each job has nodes of its own."""
-    slurm = cfg.cluster.kind == ClusterKind.slurm
-    whole = slurm or cfg.placement == Placement.colocated
+    whole = cluster_of(cfg).spans_nodes or cfg.placement == Placement.colocated
     cpus = cfg.cluster.cpus_per_node
     threads = cfg.cluster.omp_threads or (cpus if whole else cpus // 2)
     return {"OMP_NUM_THREADS": str(max(1, threads)), **CPU_ALLOCATOR}
@@ -193,10 +159,10 @@ def inference_processes(cfg: DictConfig, size: Footprint, devices: LocalDevices)
     router in front; a replica spanning nodes is a head and a headless process per other
     node. Instances needing part of a node are packed onto Slurm nodes, each bound to its own
     GPUs of that node."""
-    slurm, gpus = cfg.cluster.kind == ClusterKind.slurm, cfg.cluster.gpus_per_node
+    spans, gpus = cluster_of(cfg).spans_nodes, cfg.cluster.gpus_per_node
     nodes = size.replica_nodes
     # A replica spanning nodes takes every GPU of each.
-    each = gpus if slurm and nodes > 1 else replica_gpus(cfg)
+    each = gpus if spans and nodes > 1 else replica_gpus(cfg)
     packed = per_node(cfg, nodes)
     instances = list(PD_INSTANCES) if disaggregated(cfg) else [None]
     placed = [(i, part) for i in range(cfg.parallel.inference.replicas) for part in instances]
@@ -204,10 +170,10 @@ def inference_processes(cfg: DictConfig, size: Footprint, devices: LocalDevices)
     for k, (i, part) in enumerate(placed):
         name = f"inference-{i}" + (f"-{part}" if part else "")
         env = devices.take(each) if gpus else cpu_env(cfg)
-        if slurm and gpus:  # numbered within the node (a spanning replica's: all of them)
+        if spans and gpus:  # numbered within the node (a spanning replica's: all of them)
             low = (k % packed) * each
             env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(low, low + each)))}
-        first = (k // packed) * nodes if slurm else 0
+        first = (k // packed) * nodes if spans else 0
         processes += replica_processes(cfg, i, part, name, nodes, first, each, env)
     if disaggregated(cfg):  # each replica's router, beside its prefill head
         for i in range(cfg.parallel.inference.replicas):
@@ -262,10 +228,10 @@ def replica_processes(
 def trainer_process(cfg: DictConfig, size: Footprint, devices: LocalDevices) -> Process:
     """torchrun on every trainer node, each running its share of the mesh's ranks (Relay's
     torchrun, rl/trainer/torchrun.py: the ranks stay in the role's process group)."""
-    slurm, gpus = cfg.cluster.kind == ClusterKind.slurm, cfg.cluster.gpus_per_node
+    spans, gpus = cluster_of(cfg).spans_nodes, cfg.cluster.gpus_per_node
     ranks = size.mesh["world"] // size.trainer_nodes
     torchrun = ["python", "-m", TORCHRUN_MODULE, "--nproc-per-node", str(ranks)]
-    if size.trainer_nodes > 1 or slurm:
+    if size.trainer_nodes > 1 or spans:
         port = cfg.cluster.master_port
         torchrun += [
             "--nnodes", str(size.trainer_nodes), "--node-rank", "${RELAY_NODE_RANK}",
@@ -275,7 +241,7 @@ def trainer_process(cfg: DictConfig, size: Footprint, devices: LocalDevices) -> 
     else:
         torchrun.append("--standalone")
     trainer_devices = devices.take(ranks)
-    if slurm:  # every node of the trainer's job: its first `ranks` GPUs
+    if spans:  # every node of the trainer's job: its first `ranks` GPUs
         trainer_devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks)))}
     return Process(
         "trainer",
@@ -307,20 +273,13 @@ def sweep_share(
     return processes, jobs, notes
 
 
-def cluster_notes(cfg: DictConfig) -> list[str]:
-    """What a reader of the plan should know of its cluster: Slurm's default partition."""
-    if cfg.cluster.kind == ClusterKind.slurm and cfg.cluster.partition is None:
-        return ["no cluster.partition: Slurm's default partition is used"]
-    return []
-
-
 class LocalDevices:
     """The GPUs of this machine handed out in order, so that no two roles of a local run use
     the same one (except in shared placement, where both use GPU 0); on Slurm each job has
     nodes of its own and Slurm sets the devices."""
 
     def __init__(self, cfg: DictConfig, shared: bool) -> None:
-        self.local = cfg.cluster.kind == ClusterKind.local
+        self.local = not cluster_of(cfg).spans_nodes
         self.shared = shared
         self.next = 0
 
@@ -407,12 +366,7 @@ def format_plan(p: RunPlan, cfg: DictConfig) -> str:
                 f"{j.name:<10} {j.nodes:>5} {j.gpus_per_node:>9} {j.cpus_per_task:>5} "
                 f"{mem:>7} {j.time_min:>5}m  {where}"
             )
-        for j in p.jobs:
-            lines.append(f"sbatch {j.name}: {sbatch_flags(j, p.run_name, cfg)}")
-        lines += [f"setup: {line}" for line in setup_lines(cfg)]
-        if args := srun_args(cfg):
-            lines.append(f"srun: {shell_join(args)}")
-        lines.append(f"each node: {node_env_line(cfg)}")
+        lines += cluster_of(cfg).describe(p)
     lines.append("")
     lines.append(f"{'process':<26} {'job':<10} {'node':>5} {'gpus/node':>9}  command")
     for proc in p.processes:

@@ -33,10 +33,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from launcher.clusters.base import cluster_of
 from launcher.clusters.processes import POLL_S, RunFailed, expand, spawn, stop_children, tail
 from launcher.plan.planner import plan
 from launcher.watch.tracking import Console, MetricsTail
-from rl.core.config import Allocation, ClusterKind, WeightTransport
+from rl.core.config import Allocation, WeightTransport
 from rl.core.rundir import BASES, RunDir, is_complete
 
 # What the warm-up reads: a point that differs from another here needs a base of its own.
@@ -88,8 +89,9 @@ def start_from_base(cfg: DictConfig, sweep_dir: Path) -> bool:
     run = RunDir(sweep_dir.absolute() / BASES / base_key(cfg))
     weights = run.weights_for(0)
     after = None
-    if cfg.cluster.kind == ClusterKind.slurm:
-        after = submitted_base(cfg, run)
+    cluster = cluster_of(cfg)
+    if cluster.spans_nodes:  # a job of its own, that the points' jobs start after
+        after = cluster.start_base(run)
     else:
         run.internal.mkdir(parents=True, exist_ok=True)
         # Points run side by side (Hydra's array-job launcher): one warms up, the rest wait.

@@ -35,6 +35,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.clusters.base import cluster_of
 from launcher.clusters.local.launch import Watch, record_pids, resume_command, start_children
 from launcher.clusters.processes import (
     FINISHING_ROLES,
@@ -49,7 +50,7 @@ from launcher.sweeps.base import warm_up
 from launcher.sweeps.summary import write_sweep_summary
 from launcher.watch.report import finish_run, override, sweep_group
 from launcher.watch.tracking import Follow
-from rl.core.config import ClusterKind, RunConfig
+from rl.core.config import RunConfig
 from rl.core.model import ensure_checkpoint
 from rl.core.rundir import BASE, SERVICE, RunDir, flat, point_name, shared_service
 
@@ -293,8 +294,9 @@ def run_shared(sweep_dir: Path) -> int:
     PENDING.clear()
     print(f"sweep {sweep_dir}: {len(points)} points sharing one inference service", flush=True)
     first = typed(points[0].cfg)
-    if first.cluster.kind == ClusterKind.slurm:
-        return submit_shared(points, sweep_dir, token, first)
+    cluster = cluster_of(first)
+    if cluster.spans_nodes:  # jobs of their own
+        return cluster.run_shared(points, sweep_dir, token)
     with _interrupts():
         try:
             if first.warmup.steps > 0:

@@ -129,11 +129,6 @@ class Advantage(StrEnum):
     rloo = "rloo"
 
 
-class ClusterKind(StrEnum):
-    local = "local"
-    slurm = "slurm"
-
-
 class Allocation(StrEnum):
     """How a Slurm run's roles are submitted."""
 
@@ -521,8 +516,9 @@ class ClusterConfig:
 
     name: str = MISSING
     """Option name."""
-    kind: ClusterKind = ClusterKind.local
-    """`local` (child processes here) or `slurm` (jobs submitted with submitit)."""
+    kind: str = "local"
+    """Where the run's processes start (launcher/clusters/): `local` (child processes here) or
+    `slurm` (jobs submitted with submitit)."""
     nodes: int = 1
     """Nodes available to one run (local: 1)."""
     gpus_per_node: int | None = None

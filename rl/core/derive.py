@@ -15,7 +15,6 @@ from typing import Any
 from rl.core.config import (
     Backend,
     BroadcastBackend,
-    ClusterKind,
     LrSchedule,
     Placement,
     RunConfig,
@@ -73,16 +72,17 @@ def kv_connector(cfg: RunConfig) -> str:
     return cfg.model.inference.kv_connector or ("NixlConnector" if gpus else FILE_KV_CONNECTOR)
 
 
-def weight_transport(cfg: RunConfig) -> WeightTransport:
-    """`inference.weight_transport`, or broadcast where a Slurm run's trainer and inference
-    hold GPUs of their own (a version crosses the network once, in buckets, instead of being
-    written to shared storage and read back by every server), and the filesystem otherwise:
-    one machine, CPUs, colocated roles, LoRA adapters (vLLM loads them from directories) and a
-    sweep's shared inference."""
+def weight_transport(cfg: RunConfig, spans_nodes: bool = False) -> WeightTransport:
+    """`inference.weight_transport`, or broadcast where the trainer and inference hold GPUs of
+    their own on a cluster's nodes (`spans_nodes`: a version crosses the network once, in
+    buckets, instead of being written to shared storage and read back by every server), and
+    the filesystem otherwise: one machine, CPUs, colocated roles, LoRA adapters (vLLM loads
+    them from directories) and a sweep's shared inference. The plan records its choice in the
+    run's config (launcher/plan/planner.py), where the roles read it."""
     if cfg.inference.weight_transport is not None:
         return WeightTransport(cfg.inference.weight_transport)
     at_scale = (
-        cfg.cluster.kind == ClusterKind.slurm
+        spans_nodes
         and bool(cfg.cluster.gpus_per_node)
         and cfg.placement == Placement.split
         and not lora_enabled(cfg.model)

@@ -25,11 +25,11 @@ and gloo interface).
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher.clusters.base import Job
 from launcher.plan.costs.fit import Footprint, inference_nodes, pd_factor, per_node, replica_gpus
 from rl.core.config import Allocation
 
@@ -39,26 +39,6 @@ CONTROL_MEM_GB = 32
 
 UNLIMITED_REQUEUES = 10**6
 """submitit's bound on requeues after a time limit where `cluster.max_requeues` sets none."""
-
-
-@dataclass
-class Job:
-    """One Slurm job (the whole run, or in per_role the control, inference or trainer job)
-    with its resources."""
-
-    name: str
-    nodes: int
-    gpus_per_node: int
-    cpus_per_task: int
-    mem_gb: int
-    """Memory per node in GB; 0: all of each node's (`--mem=0`)."""
-    time_min: int
-    partition: str | None
-    account: str | None
-    qos: str | None
-    constraint: str | None
-    sbatch_extra: dict[str, Any] = field(default_factory=dict)
-    exclusive: bool = False
 
 
 def one_allocation(cfg: DictConfig) -> bool:

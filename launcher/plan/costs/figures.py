@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from launcher.clusters.base import cluster_of
 from launcher.errors import refuse
 from launcher.plan.costs.fit import (
     Footprint,
@@ -17,7 +18,6 @@ from launcher.plan.costs.fit import (
     replica_memory,
 )
 from launcher.plan.costs.step_time import (
-    SLURM_MAX_SIGNAL_S,
     Sync,
     checkpoint_bytes,
     checkpoint_seconds,
@@ -30,7 +30,7 @@ from launcher.plan.costs.step_time import (
     train_seconds,
     workload,
 )
-from rl.core.config import ClusterKind, WeightTransport
+from rl.core.config import WeightTransport
 from rl.core.derive import kept_versions, max_model_len, weight_transport
 from rl.core.disk import size as in_bytes
 
@@ -142,11 +142,12 @@ def preemption_note(cfg: DictConfig, step_s: float) -> str:
         f"{in_bytes(checkpoint_bytes(cfg, optimizer))} ({what}) at "
         f"{cluster.storage_gbs:g} GB/s (~{duration(write_s)}) need {need} s with a margin"
     )
-    if cluster.kind != ClusterKind.slurm:
+    limited = cluster_of(cfg).signal_limit()
+    if limited is None:  # no time limit: nothing warns the run
         if cluster.signal_delay_s is None:
             decide(cluster, "signal_delay_s", DEFAULT_SIGNAL_DELAY_S)
         return f"preemption: {numbers}"
-    limit = min(SLURM_MAX_SIGNAL_S, cluster.time_min * 60 // 2)
+    limit, what = limited
     fix = (
         "trainer.stop_checkpoint_optimizer=false (weights only, a third of the bytes), "
         if optimizer
@@ -156,8 +157,7 @@ def preemption_note(cfg: DictConfig, step_s: float) -> str:
         if need > limit:
             refuse(
                 "cluster.signal_delay_s",
-                f"{numbers}, more than half of cluster.time_min={cluster.time_min} (or "
-                f"Slurm's {SLURM_MAX_SIGNAL_S} s); use {fix}a faster cluster.storage_gbs or a "
+                f"{numbers}, more than {what}; use {fix}a faster cluster.storage_gbs or a "
                 f"longer time_min",
             )
         decide(cluster, "signal_delay_s", need)

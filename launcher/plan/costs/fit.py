@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from launcher.clusters.base import cluster_of
 from launcher.errors import PlanError, refuse
 from launcher.plan.costs.memory import (
     CUDA_CONTEXT_GB,
@@ -30,7 +31,7 @@ from launcher.plan.costs.step_time import generation, sync_seconds, train_second
 from launcher.plan.gpus import SPECS, kind_of
 from launcher.plan.gpus import describe as describe_gpus
 from launcher.plan.gpus import detect as detect_gpus
-from rl.core.config import Backend, ClusterKind, Gpu, Placement
+from rl.core.config import Backend, Gpu, Placement
 from rl.core.derive import (
     CHECKPOINT_COPIES,
     LayoutError,
@@ -59,7 +60,7 @@ def fill_gpus(cfg: DictConfig) -> str | None:
     `cluster.gpu`'s (none: no GPUs). Returns what was found here, for the plan's notes (None
     when nothing was looked for)."""
     cluster = cfg.cluster
-    local = cluster.kind == ClusterKind.local
+    local = not cluster_of(cfg).spans_nodes
     unknown = cluster.gpus_per_node is None or cluster.gpu_memory_gb is None
     look = local and (unknown or (cluster.gpu is None and bool(cluster.gpus_per_node)))
     found = detect_gpus() if look else []
@@ -325,7 +326,7 @@ def per_node(cfg: DictConfig, replica_nodes: int) -> int:
     """Inference instances packed onto one Slurm node: as many as its GPUs hold when each
     needs part of a node (one GPU per instance x 8 GPUs: eight), else one."""
     gpus = cfg.cluster.gpus_per_node
-    if cfg.cluster.kind != ClusterKind.slurm or not gpus or replica_nodes > 1:
+    if not cluster_of(cfg).spans_nodes or not gpus or replica_nodes > 1:
         return 1
     return max(1, gpus // replica_gpus(cfg))
 
@@ -369,7 +370,7 @@ def check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> No
                 f"tp x dp = {inf.tp} x {inf.dp} exceeds the {gpus} GPUs per node of "
                 f"cluster={cluster.name}",
             )
-    if cluster.kind == ClusterKind.local:
+    if not cluster_of(cfg).spans_nodes:
         if trainer_nodes > 1 or replica_nodes > 1 or cluster.nodes != 1:
             refuse(
                 "cluster=local",
@@ -424,7 +425,7 @@ def shared_gpu(cfg: DictConfig) -> bool:
     memory split), or taking turns (colocated: vLLM sleeps while the trainer runs)."""
     par = cfg.parallel
     return (
-        cfg.cluster.kind == ClusterKind.local
+        not cluster_of(cfg).spans_nodes
         and cfg.cluster.gpus_per_node == 1
         and par.inference.replicas == 1
         and par.inference.tp == 1
