@@ -55,6 +55,7 @@ from rl.core.runtime import (
     wait_for_address,
     write_address,
 )
+from rl.inference.admin import LoadWeightsRequest, add_admin_routes
 from rl.inference.openai_api import unless_gone
 from rl.weights.base import BROADCAST_ROUTE, MAX_STATUS_WAIT_S
 from rl.weights.routes import add_routes
@@ -233,7 +234,8 @@ class Router:
             await asyncio.gather(*(self.call(part, method, route, **kwargs) for part in PARTS))
         )
 
-    async def load_weights(self, body: Any) -> dict[str, Any]:
+    async def load_weights(self, request: LoadWeightsRequest) -> dict[str, Any]:
+        body = request.model_dump(exclude_none=True)
         async with self.gate.update():
             prefill, decode = await self.both("POST", "/admin/load_weights", json=body)
             if self.kv_files is not None:
@@ -298,7 +300,15 @@ class Router:
         self.version, self.weight_group = version, spec.group
         self.logger.info("both instances hold version %d (broadcast)", version)
 
-    async def policy_version(self, model: str) -> dict[str, Any]:
+    async def sleep(self) -> dict[str, Any]:
+        await self.both("POST", "/admin/sleep")
+        return {"asleep": True}
+
+    async def wake_up(self) -> dict[str, Any]:
+        await self.both("POST", "/admin/wake_up")
+        return {"asleep": False}
+
+    async def version(self, model: str) -> dict[str, Any]:
         answers = await self.both("GET", "/admin/version", params={"model": model})
         return {"policy_version": min(a["policy_version"] for a in answers)}
 
@@ -340,30 +350,8 @@ def build_app(router: Router, keys: Any) -> FastAPI:
     async def passed_on(_: Request, exc: RouteError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        status, body = await router.health()
-        return JSONResponse(body, status_code=status)
-
-    @app.get("/admin/version", dependencies=guard)
-    async def version(model: str = "") -> dict:
-        return await router.policy_version(model)
-
-    @app.post("/admin/load_weights", dependencies=guard)
-    async def load_weights(request: Request) -> dict:
-        return await router.load_weights(await request.json())
-
+    add_admin_routes(app, authorized, router)
     add_routes(app, authorized, router, router.logger, router.run_dir)
-
-    @app.post("/admin/sleep", dependencies=guard)
-    async def sleep() -> dict:
-        await router.both("POST", "/admin/sleep")
-        return {"asleep": True}
-
-    @app.post("/admin/wake_up", dependencies=guard)
-    async def wake_up() -> dict:
-        await router.both("POST", "/admin/wake_up")
-        return {"asleep": False}
 
     @app.get("/v1/models", dependencies=guard)
     async def models() -> Any:

@@ -16,12 +16,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
-
 from rl.core.auth import scoped_guard
 from rl.core.config import RunConfig
 from rl.core.derive import max_model_len
-from rl.core.lora import ADAPTER_NAME, is_adapter_dir
+from rl.core.lora import is_adapter_dir
 from rl.core.model import ensure_checkpoint, load_model, load_tokenizer
 from rl.core.rundir import RunDir, point_dirs, point_name
 from rl.core.runtime import (
@@ -31,6 +29,7 @@ from rl.core.runtime import (
     server_host,
     write_address,
 )
+from rl.inference.admin import LoadWeightsRequest, add_admin_routes, requested_weights
 from rl.inference.engine import (
     CompletionJob,
     Engine,
@@ -41,7 +40,6 @@ from rl.inference.engine import (
     SleepRefused,
 )
 from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
-from rl.weights.published import loading_from, published_dir
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec, WeightReceiver
 
@@ -131,16 +129,6 @@ class EmbeddedReceiver:
         await asyncio.wrap_future(self.engine.submit(LoadJob(None, version, self.receiver)))
 
 
-class LoadWeightsRequest(BaseModel):
-    """A published version of this run; `path`, if sent, must be its `weights/step_N`."""
-
-    version: int
-    path: str | None = None
-    adapter: str | None = Field(default=None, pattern=f"^{ADAPTER_NAME.pattern}$")
-    """In a LoRA run, the name to serve this version's adapter under (None: the run's own
-    policy); requests then ask for it as their `model`."""
-
-
 # Generous for any servable request: a token costs at most a few bytes as a JSON id, and text
 # averages a few characters a token (more when JSON-escaped).
 BYTES_PER_TOKEN = 16
@@ -184,12 +172,57 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+class EmbeddedAdmin:
+    """The admin routes' answers (rl/inference/admin.py) for the embedded engine: each job
+    runs on the engine's thread, between its batches."""
+
+    def __init__(self, engine: Engine, run_dir: Path | None, receiving: dict[str, Any]) -> None:
+        self.engine, self.run_dir, self.receiving = engine, run_dir, receiving
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        engine = self.engine
+        if reason := engine.failure():
+            return 503, {"status": "failed", "detail": reason}
+        return 200, {
+            "status": "ok",
+            "policy_version": engine.version,
+            "asleep": engine.asleep,  # up, but serving no completions until woken
+            # the version a broadcast is bringing in (generation pauses to copy it), or None
+            "receiving": self.receiving["version"],
+            "tokens_decoded": engine.tokens_decoded,
+            "requests_dropped": engine.requests_dropped,  # their clients went away
+        }
+
+    async def version(self, model: str) -> dict[str, Any]:
+        return {"policy_version": self.engine.held(model)}
+
+    async def load_weights(self, request: LoadWeightsRequest) -> dict[str, Any]:
+        path = await requested_weights(self.run_dir, self.engine.shared, request)
+        job = LoadJob(path, request.version, adapter=request.adapter or "")
+        return await asyncio.wrap_future(self.engine.submit(job))
+
+    async def sleep(self) -> dict[str, Any]:
+        from fastapi import HTTPException
+
+        try:
+            return await asyncio.wrap_future(self.engine.submit(MemoryJob(asleep=True)))
+        except SleepRefused as exc:
+            raise HTTPException(409, str(exc)) from exc
+
+    async def wake_up(self) -> dict[str, Any]:
+        from fastapi import HTTPException
+
+        try:
+            return await asyncio.wrap_future(self.engine.submit(MemoryJob(asleep=False)))
+        except (OSError, ValueError) as exc:  # the weights could not be read again
+            raise HTTPException(500, f"still asleep: {exc}") from exc
+
+
 def build_app(engine: Engine, keys: Any, max_len: int, run_dir: Path | None = None) -> Any:
     """The HTTP routes; every handler awaits the engine thread's future, never the model.
     Each route needs its scope's key of `keys` (a mapping, or the run's token: rl/core/auth.py).
     Weights load from `run_dir`'s published versions only (none without one)."""
-    from fastapi import Depends, FastAPI, HTTPException
-    from fastapi.responses import JSONResponse
+    from fastapi import Depends, FastAPI
 
     authorized = scoped_guard(keys)
 
@@ -199,53 +232,11 @@ def build_app(engine: Engine, keys: Any, max_len: int, run_dir: Path | None = No
     add_openai_routes(app, EngineBackend(engine, max_len), authorized)
     receiving = add_routes(app, authorized, EmbeddedReceiver(engine), engine.logger, run_dir)
 
-    @app.get("/health")
-    async def health() -> Any:
-        if reason := engine.failure():
-            return JSONResponse({"status": "failed", "detail": reason}, status_code=503)
-        return {
-            "status": "ok",
-            "policy_version": engine.version,
-            "asleep": engine.asleep,  # up, but serving no completions until woken
-            # the version a broadcast is bringing in (generation pauses to copy it), or None
-            "receiving": receiving["version"],
-            "tokens_decoded": engine.tokens_decoded,
-            "requests_dropped": engine.requests_dropped,  # their clients went away
-        }
-
     @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
     async def openapi() -> dict:
         return app.openapi()
 
-    @app.get("/admin/version", dependencies=[Depends(authorized)])
-    async def version(model: str = "") -> dict:
-        """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
-        return {"policy_version": engine.held(model)}
-
-    @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
-    async def load_weights(body: LoadWeightsRequest) -> dict:
-        try:
-            source = loading_from(run_dir, engine.shared, body.adapter)
-            path = await asyncio.to_thread(published_dir, source, body.version, body.path)
-            job = LoadJob(path, body.version, adapter=body.adapter or "")
-            return await asyncio.wrap_future(engine.submit(job))
-        except ValueError as exc:  # RefusedWeights, or weights that do not fit the model
-            raise HTTPException(400, str(exc)) from exc
-
-    @app.post("/admin/sleep", dependencies=[Depends(authorized)])
-    async def sleep() -> dict:
-        try:
-            return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=True)))
-        except SleepRefused as exc:
-            raise HTTPException(409, str(exc)) from exc
-
-    @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
-    async def wake_up() -> dict:
-        try:
-            return await asyncio.wrap_future(engine.submit(MemoryJob(asleep=False)))
-        except (OSError, ValueError) as exc:  # the weights could not be read again
-            raise HTTPException(500, f"still asleep: {exc}") from exc
-
+    add_admin_routes(app, authorized, EmbeddedAdmin(engine, run_dir, receiving))
     return app
 
 

@@ -41,26 +41,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from rl.core.auth import scoped_guard
 from rl.core.config import RunConfig
 from rl.core.derive import max_model_len
-from rl.core.lora import ADAPTER_NAME, is_adapter_dir
+from rl.core.lora import is_adapter_dir
 from rl.core.model import ensure_checkpoint, load_tokenizer
 from rl.core.paths import ROOT
 from rl.core.rundir import RunDir, write_atomic
 from rl.core.runtime import die_with_parent, listen_socket, server_host, write_address
+from rl.inference.admin import LoadWeightsRequest, add_admin_routes, requested_weights
 from rl.inference.client import sampled
 from rl.inference.generation import Sample
 from rl.inference.openai_api import APIError, Deltas, Params, Result, add_openai_routes
 from rl.weights.published import (
     RefusedWeights,
     check_checkpoint,
-    loading_from,
     private_copy,
-    published_dir,
 )
 from rl.weights.routes import add_routes
 from rl.weights.sync import WeightGroupSpec
@@ -728,6 +726,41 @@ def _sample(
     return Sample(list(ids), list(logprobs), finish or "length", alternatives)
 
 
+class VllmAdmin:
+    """The admin routes' answers (rl/inference/admin.py) for the vLLM front."""
+
+    def __init__(self, front: VllmFrontend, run_dir: Path | None, receiving: dict) -> None:
+        self.front, self.run_dir, self.receiving = front, run_dir, receiving
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        front = self.front
+        if not front.ready.is_set():
+            return 503, {"status": "starting", "detail": "vLLM is restarting"}
+        return 200, {
+            "status": "ok",
+            "policy_version": front.version,
+            "backend": "vllm",
+            "receiving": self.receiving["version"],
+            "asleep": front.asleep,  # up, but serving no completions until woken
+            "requests_in_flight": front.in_flight,  # sent on to vLLM, not yet answered
+            "requests_dropped": front.dropped,  # aborted in vLLM: their clients went away
+        }
+
+    async def version(self, model: str) -> dict[str, Any]:
+        return {"policy_version": self.front.held(model)}
+
+    async def load_weights(self, request: LoadWeightsRequest) -> dict[str, Any]:
+        # only a version this run published, as the embedded engine (rl/weights/published.py)
+        path = await requested_weights(self.run_dir, self.front.shared, request)
+        return await self.front.load_weights(path, request.version, request.adapter or "")
+
+    async def sleep(self) -> dict[str, Any]:
+        return await self.front.sleep()
+
+    async def wake_up(self) -> dict[str, Any]:
+        return await self.front.wake()
+
+
 def build_app(
     front: VllmFrontend, keys: Any, run_dir: Path | None = None, openai: Any = None
 ) -> FastAPI:
@@ -740,50 +773,7 @@ def build_app(
     if openai is not None:
         add_openai_routes(app, openai, authorized)
 
-    @app.get("/health")
-    async def health() -> Any:
-        if not front.ready.is_set():
-            return JSONResponse({"status": "starting", "detail": "vLLM is restarting"}, 503)
-        return {
-            "status": "ok",
-            "policy_version": front.version,
-            "backend": "vllm",
-            "receiving": receiving["version"],
-            "asleep": front.asleep,  # up, but serving no completions until woken
-            "requests_in_flight": front.in_flight,  # sent on to vLLM, not yet answered
-            "requests_dropped": front.dropped,  # aborted in vLLM: their clients went away
-        }
-
-    @app.get("/admin/version", dependencies=[Depends(authorized)])
-    async def version(model: str = "") -> dict:
-        """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
-        return {"policy_version": front.held(model)}
-
-    @app.post("/admin/load_weights", dependencies=[Depends(authorized)])
-    async def load_weights(request: Request) -> dict:
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise HTTPException(400, "body needs a published 'version' (and optionally its 'path')")
-        try:  # only a version this run published, as the embedded engine (rl/weights/published.py)
-            adapter = body.get("adapter") or ""
-            if adapter and not (isinstance(adapter, str) and ADAPTER_NAME.fullmatch(adapter)):
-                raise RefusedWeights(f"adapter={adapter!r}: a name of 1-64 letters, digits, ._-")
-            source = loading_from(run_dir, front.shared, adapter)
-            path = await asyncio.to_thread(
-                published_dir, source, body.get("version"), body.get("path")
-            )
-            return await front.load_weights(path, body["version"], adapter)
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from exc
-
-    @app.post("/admin/sleep", dependencies=[Depends(authorized)])
-    async def sleep() -> dict:
-        return await front.sleep()
-
-    @app.post("/admin/wake_up", dependencies=[Depends(authorized)])
-    async def wake_up() -> dict:
-        return await front.wake()
-
+    add_admin_routes(app, authorized, VllmAdmin(front, run_dir, receiving))
     return app
 
 
