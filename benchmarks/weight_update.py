@@ -34,6 +34,7 @@ from rl.core.model import (
 )
 from rl.core.rundir import RunDir
 from rl.core.runtime import wait_for_address
+from rl.inference.engines import engine_of
 from rl.inference.vllm.args import vllm_args
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support.runs import TOKEN, compose_run, start_role, stop_role, write_run_dir
@@ -64,7 +65,12 @@ def measure(cfg, backend: str, root: Path, repeats: int) -> dict[str, float]:
         base = ensure_checkpoint(cfg.model)
         model, tok = load_model(base), load_tokenizer(base)
         publish, load, copy, broadcast = [], [], [], []
-        sender = InferenceBroadcaster(run_dir, cfg, logging.getLogger("bench"))
+        sender = InferenceBroadcaster(
+            run_dir,
+            cfg,
+            logging.getLogger("bench"),
+            checkpoint_layout=engine_of(cfg).checkpoint_layout,
+        )
         sender.publish(0, model)  # forms the group once, as a run's first update
         with httpx.Client(base_url=url, auth=token_auth(TOKEN), timeout=600) as client:
             for step in range(1, repeats + 1):

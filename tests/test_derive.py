@@ -9,12 +9,12 @@ from rl.core.derive import (
     LayoutError,
     ParallelDims,
     broadcast_backend,
-    inference_backend,
     learning_rate,
     lr_factor,
     max_model_len,
     trainer_dims,
 )
+from rl.inference.engines import engine_name
 from tests.support.runs import compose_run
 
 
@@ -50,13 +50,13 @@ def test_trainer_tensor_parallelism_is_refused_not_turned_into_fsdp() -> None:
 
 def test_backend_length_lr_and_broadcast_backend() -> None:
     cpu = compose_run()
-    assert inference_backend(cpu) == "embedded"
+    assert engine_name(cpu) == "embedded"
     assert broadcast_backend(cpu) == "gloo"
     gpu = compose_run("cluster.gpus_per_node=8")
-    assert inference_backend(gpu) == "vllm"
+    assert engine_name(gpu) == "vllm"
     assert broadcast_backend(gpu) == "nccl"
     assert (
-        inference_backend(compose_run("cluster.gpus_per_node=8", "inference.backend=embedded"))
+        engine_name(compose_run("cluster.gpus_per_node=8", "inference.backend=embedded"))
         == "embedded"
     )
     assert broadcast_backend(compose_run("inference.broadcast_backend=nccl")) == "nccl"

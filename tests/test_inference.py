@@ -36,6 +36,7 @@ from rl.core.model import (
 from rl.core.paths import ROOT
 from rl.core.rundir import write_checksums
 from rl.inference.engine import Engine
+from rl.inference.engines import engine_of
 from rl.inference.generation import Limits, generate
 from rl.inference.server import build_app
 from rl.weights.base import BROADCAST_ROUTE
@@ -516,7 +517,9 @@ def test_swaps_under_load_report_the_version_used(
 def broadcaster(cfg: DictConfig, run_dir: Path, timeout_s: float = 60) -> InferenceBroadcaster:
     cfg = copy.deepcopy(cfg)
     cfg.inference.broadcast_timeout_s = timeout_s
-    return InferenceBroadcaster(run_dir, cfg, logging.getLogger("test"))
+    return InferenceBroadcaster(
+        run_dir, cfg, logging.getLogger("test"), checkpoint_layout=engine_of(cfg).checkpoint_layout
+    )
 
 
 @pytest.mark.slow

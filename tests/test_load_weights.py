@@ -25,6 +25,7 @@ from rl.core.model import ensure_checkpoint, load_model, publish_weights
 from rl.core.rundir import COMPLETE, RunDir, mark_complete, write_checksums
 from rl.core.runtime import read_address
 from rl.inference.client import InferenceClient
+from rl.inference.engines import engine_of
 from rl.weights.broadcast import InferenceBroadcaster
 from rl.weights.filesystem import FilesystemWaiter
 from rl.weights.published import (
@@ -320,7 +321,12 @@ def test_a_broadcast_holding_nan_is_refused_by_name(server: SimpleNamespace) -> 
     cfg.inference.broadcast_timeout_s = 30
     served = server.client.get("/admin/version").json()
     before = server.client.post("/v1/completions", json=GREEDY).json()["choices"]
-    sender = InferenceBroadcaster(server.run.root, cfg, logging.getLogger("test"))
+    sender = InferenceBroadcaster(
+        server.run.root,
+        cfg,
+        logging.getLogger("test"),
+        checkpoint_layout=engine_of(cfg).checkpoint_layout,
+    )
     with pytest.raises(RuntimeError, match="tensor model.norm.weight holds NaN or Inf"):
         sender.publish(served["policy_version"] + 1, server.poisoned)
     assert server.client.get("/admin/version").json() == served

@@ -34,6 +34,7 @@ from rl.core.rundir import CHECKSUMS, RunDir, write_checksums
 from rl.core.runtime import wait_for_address
 from rl.inference import adapters
 from rl.inference.engine import CompletionJob, Engine, LoadJob
+from rl.inference.engines import engine_of
 from rl.trainer import lora as lora_trainer
 from rl.weights import lora as lora_weights
 from rl.weights.broadcast import InferenceBroadcaster
@@ -259,7 +260,12 @@ def nbytes(tensors: Any) -> int:
 def test_the_engine_takes_an_adapter_by_broadcast_and_only_its_tensors_travel(
     served: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sender = InferenceBroadcaster(served.run_dir, served.cfg, logging.getLogger("test.lora"))
+    sender = InferenceBroadcaster(
+        served.run_dir,
+        served.cfg,
+        logging.getLogger("test.lora"),
+        checkpoint_layout=engine_of(served.cfg).checkpoint_layout,
+    )
     with caplog.at_level(logging.INFO, logger="test.lora"):
         sender.publish(3, served.first)
     assert served_greedy(served) == (3, greedy_ids(served.first, served.tokenizer))

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from rl.core.model import ensure_checkpoint, load_model
 from rl.core.rundir import RunDir
+from rl.inference.engines import engine_of
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support.pd import greedy, long_prompts, pd_replica, same_choices
 from tests.support.vllm import MARKS, trained_checkpoint, vllm_config
@@ -114,7 +115,12 @@ def test_a_broadcast_reaches_both_instances_through_the_router_before_either_ser
     trained = greedy(replica.router, prompts)
     status = replica.router.get("/admin/weights/broadcast").json()
     assert status["receivers"] == 2 and status["group"] is None and not status["error"]
-    sender = InferenceBroadcaster(replica.run_dir, cfg, logging.getLogger("test"))
+    sender = InferenceBroadcaster(
+        replica.run_dir,
+        cfg,
+        logging.getLogger("test"),
+        checkpoint_layout=engine_of(cfg).checkpoint_layout,
+    )
     sender.publish(2, load_model(ensure_checkpoint(cfg.model)))
     for client in (replica.router, replica.prefill, replica.decode):
         assert client.get("/admin/version").json() == {"policy_version": 2}

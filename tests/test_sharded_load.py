@@ -32,6 +32,7 @@ from rl.core.model import (
 )
 from rl.core.rundir import RunDir
 from rl.core.runtime import load_run_config
+from rl.inference.engines import engine_of
 from rl.trainer.loading import load_shards
 from rl.trainer.lora import adapter_start
 from rl.trainer.streaming import GatheredBlocks
@@ -182,7 +183,9 @@ def test_fp8_versions_are_published_in_the_base_format(
     sent: dict[str, torch.Tensor] = {}
     monkeypatch.setenv(TOKEN_ENV, "fp8-test")
     RunDir(tmp_path).write_address("inference-0", "127.0.0.1", 9)  # never called
-    broadcaster = InferenceBroadcaster(tmp_path, cfg, logging.getLogger("test"))
+    broadcaster = InferenceBroadcaster(
+        tmp_path, cfg, logging.getLogger("test"), checkpoint_layout=engine_of(cfg).checkpoint_layout
+    )
     monkeypatch.setattr(broadcaster, "update", lambda version, tensors: sent.update(tensors))
     broadcaster.publish(1, model)
     # Block by block (a sharded trainer's way): announced from meta shapes, then streamed.

@@ -31,6 +31,7 @@ from rl.core.model import (
     load_model,
     load_tokenizer,
 )
+from rl.inference.engines import engine_of
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support import openai_checks
 from tests.support.inference import send_unread
@@ -308,7 +309,12 @@ def test_broadcast_update_matches_embedded_engine(
 ) -> None:
     """Runs after the restart test: vLLM is a fresh process, so a new group forms. A request in
     flight during the swap completes, across the two versions."""
-    sender = InferenceBroadcaster(server.run_dir, cfg, logging.getLogger("test"))
+    sender = InferenceBroadcaster(
+        server.run_dir,
+        cfg,
+        logging.getLogger("test"),
+        checkpoint_layout=engine_of(cfg).checkpoint_layout,
+    )
     sender.publish(3, load_model(ensure_checkpoint(cfg.model)))
     before = greedy(server)
     model = load_model(trained.path)

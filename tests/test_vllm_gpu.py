@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from rl.core.model import load_model
+from rl.inference.engines import engine_of
 from rl.weights.broadcast import InferenceBroadcaster
 from tests.support.runs import compose_run
 from tests.support.vllm import complete, greedy, trained_checkpoint, vllm_server
@@ -75,7 +76,12 @@ def test_nccl_broadcast_into_vllm_matches_embedded_engine(tmp_path: Path) -> Non
         model, expected = trained(server.cfg, tmp_path)
         before = greedy(server)
         torch.cuda.set_device(1)  # the sender's GPU, as a trainer rank's own
-        sender = InferenceBroadcaster(server.run_dir, server.cfg, logging.getLogger("test"))
+        sender = InferenceBroadcaster(
+            server.run_dir,
+            server.cfg,
+            logging.getLogger("test"),
+            checkpoint_layout=engine_of(server.cfg).checkpoint_layout,
+        )
         sender.publish(1, model.to("cuda:1"))
         assert sender.spec is not None and sender.spec.backend == "nccl"
         after = greedy(server)
@@ -99,9 +105,12 @@ def test_fp8_server_serves_and_takes_broadcast_weights(tmp_path: Path) -> None:
             assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
         model, expected = trained(server.cfg, tmp_path)
         before = greedy(server)
-        InferenceBroadcaster(server.run_dir, server.cfg, logging.getLogger("test")).publish(
-            1, model
-        )
+        InferenceBroadcaster(
+            server.run_dir,
+            server.cfg,
+            logging.getLogger("test"),
+            checkpoint_layout=engine_of(server.cfg).checkpoint_layout,
+        ).publish(1, model)
         after = greedy(server)
         assert server.client.get("/admin/version").json() == {"policy_version": 1}
         assert after != before

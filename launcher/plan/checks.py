@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import netrc
 import os
-import shutil
-import subprocess
-import sys
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -45,16 +42,15 @@ from rl.core import lora
 from rl.core.config import (
     STEP_FIELDS,
     SWEEP_METRICS,
-    Backend,
     BroadcastBackend,
     Placement,
     WeightTransport,
     bounded_settings,
 )
-from rl.core.derive import inference_backend, max_model_len, precision, weight_transport
+from rl.core.derive import max_model_len, precision, weight_transport
 from rl.core.disk import free_bytes, size
 from rl.envs import locate as locate_environment
-from rl.inference.vllm.args import VLLM_LORA_RANKS
+from rl.inference.engines import engine_of
 
 FP8_BLOCK = 128  # the width of an FP8 weight block (128 x 128) in the shipped FP8 checkpoints
 LOCAL_SOURCES = ("random", "gguf_package")  # built here, or shipped inside a Python package
@@ -117,8 +113,7 @@ def check_relations(cfg: DictConfig) -> None:
             f"queue.capacity={cfg.queue.capacity}: must hold at least one step's "
             f"environment.prompts_per_step={env.prompts_per_step} groups"
         )
-    embedded = inference_backend(cfg) == Backend.embedded
-    if embedded and env.group_size > cfg.inference.max_batch_size:
+    if engine_of(cfg).bounded_batch and env.group_size > cfg.inference.max_batch_size:
         raise PlanError(
             f"environment.group_size={env.group_size}: one prompt's group must fit in "
             f"inference.max_batch_size={cfg.inference.max_batch_size} sequences"
@@ -312,7 +307,7 @@ def check_cpu_fit(cfg: DictConfig) -> None:
             f"and cluster={cluster.name} has no GPUs and {cluster.mem_gb_per_node} GB of memory "
             f"per node; use a GPU cluster (cluster=slurm) or a smaller model"
         )
-    if quantization == "fp8" and inference_backend(cfg) == Backend.embedded:
+    if quantization and quantization not in engine_of(cfg).quantizations:
         raise PlanError(
             f"model={model.name}: it is served in FP8, which the embedded engine (the backend "
             f"on CPU) does not serve; use inference.backend=vllm (its CPU build serves FP8 "
@@ -343,16 +338,11 @@ def check_this_machine(cfg: DictConfig) -> list[str]:
                 f"with cluster=slurm"
             )
         notes.append(f"{lacking}: planned as declared (the run itself is refused here)")
-    if inference_backend(cfg) == Backend.vllm and not cfg.inference.shared:
-        python = cfg.inference.vllm_python or sys.executable
-        if problem := vllm_import_problem(python):
-            missing = f"inference.backend=vllm: {python} cannot import vLLM ({problem})"
-            if not cfg.dry_run:
-                raise PlanError(
-                    f"{missing}; install vLLM there, name a python that has it "
-                    f"(inference.vllm_python=...), or use inference.backend=embedded"
-                )
-            notes.append(f"{missing}: the run itself is refused here")
+    if lacking := engine_of(cfg).machine_problem():
+        missing, remedy = lacking
+        if not cfg.dry_run:
+            raise PlanError(f"{missing}; {remedy}")
+        notes.append(f"{missing}: the run itself is refused here")
     return notes
 
 
@@ -373,23 +363,6 @@ def check_wandb_login(cfg: DictConfig) -> None:
         "wandb.mode=online: no wandb API key here (WANDB_API_KEY, or `wandb login`); set one, "
         "or use wandb.mode=offline (the run's wandb/ folder, to `wandb sync` later)"
     )
-
-
-def vllm_import_problem(python: str) -> str | None:
-    """Why `python` cannot import vllm (found without importing it), or None."""
-    if not shutil.which(python) and not Path(python).is_file():
-        return "no such interpreter"
-    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    try:
-        done = subprocess.run([python, "-c", find], capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"running it failed: {err}"
-    if done.returncode == 1:
-        return "No module named 'vllm'"
-    if done.returncode:
-        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return f"it exited with code {done.returncode}: {last[0]}"
-    return None
 
 
 def check_expert_split(cfg: DictConfig) -> None:
@@ -423,12 +396,13 @@ def check_lora(cfg: DictConfig) -> str:
             f"largest adapter the servers accept (vLLM's --max-lora-rank); lower the rank or "
             f"raise inference.max_lora_rank"
         )
-    vllm = inference_backend(cfg) == Backend.vllm
-    if vllm and max(rank, inf.max_lora_rank or 0) > VLLM_LORA_RANKS[-1]:
+    engine = engine_of(cfg)
+    if engine.lora_ranks and max(rank, inf.max_lora_rank or 0) > engine.lora_ranks[-1]:
         raise PlanError(
-            f"model.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}"
+            f"model.lora.rank={rank}: {engine.name} serves adapters up to rank "
+            f"{engine.lora_ranks[-1]}"
         )
-    if vllm and weight_transport(cfg) == WeightTransport.broadcast:
+    if engine.adapters_from_directories and weight_transport(cfg) == WeightTransport.broadcast:
         raise PlanError(
             "inference.weight_transport=broadcast: vLLM loads LoRA adapters from their "
             "directories (each a few MB); use inference.weight_transport=filesystem"

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from omegaconf import DictConfig
 
 from launcher.clusters.base import Job, Process, cluster_of
+from launcher.errors import PlanError
 from launcher.plan.checks import check_bounds, check_run
 from launcher.plan.costs.figures import estimate_notes
 from launcher.plan.costs.fit import (
@@ -33,17 +34,17 @@ from launcher.plan.costs.fit import (
     shared_split,
     size_run,
 )
-from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Backend, Placement
+from rl.core.config import ROLE_MODULES, TORCHRUN_MODULE, Placement
 from rl.core.derive import (
     broadcast_backend,
     inexact,
-    inference_backend,
     learning_rate,
     max_model_len,
     weight_transport,
 )
 from rl.core.rundir import RunDir
-from rl.inference.vllm.args import PD_INSTANCES, spanning_args, vllm_args
+from rl.inference.engines import engine_of
+from rl.inference.vllm.args import PD_INSTANCES
 
 RUN_ARGS = ["--run-dir", "${RELAY_RUN_DIR}"]
 """Every role's arguments: its run directory, which each process's environment names."""
@@ -95,6 +96,10 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     check_bounds(cfg)
     cluster = cluster_of(cfg)
     found = fill_gpus(cfg)
+    try:
+        engine = engine_of(cfg)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     transport = weight_transport(cfg, cluster.spans_nodes)  # recorded for the roles
     decide(cfg.inference, "weight_transport", transport)
     notes = [note for note in (found, *check_run(cfg)) if note]
@@ -115,7 +120,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     return RunPlan(
         run_name=cfg.name,
         cluster=cfg.cluster.name,
-        backend=inference_backend(cfg).value,
+        backend=engine.name,
         processes=processes,
         jobs=jobs,
         trainer_world_size=size.mesh["world"],
@@ -125,7 +130,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         broadcast_backend=broadcast_backend(cfg).value,
         batch_size=env.prompts_per_step * env.group_size,
         notes=notes,
-        inexact=inexact(cfg),
+        inexact=inexact(cfg) + engine.inexact(),
     )
 
 
@@ -202,14 +207,15 @@ def replica_processes(
     if nodes > 1:
         argv += ["--nodes", str(nodes)]
     share = shared_split(cfg).utilization if shared_gpu(cfg) else None  # beside the trainer
-    served = vllm_args(cfg, nodes, PD_INSTANCES.get(part or ""), name, share)
+    engine = engine_of(cfg)
+    served = engine.server_args(nodes, PD_INSTANCES.get(part or ""), name, share)
     processes = []
     for rank in range(nodes):
         node_argv = [*argv, "--node", str(rank)] if rank else list(argv)
-        if inference_backend(cfg) == Backend.vllm:
+        if served:
             node_argv += ["--", *served]
             if nodes > 1:
-                node_argv += spanning_args(cfg, nodes, rank)
+                node_argv += engine.node_args(nodes, rank)
         processes.append(
             Process(
                 "inference",

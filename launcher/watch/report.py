@@ -124,10 +124,11 @@ def summarize(
     started with (its overrides and seeds, and whether the config alone decides it), how far it
     got, its last rewards and its mean pace (a sweep's table compares these)."""
     from rl.core.derive import inexact
+    from rl.inference.engines import engine_of
 
     train = sorted((r for r in records if is_train(r)), key=lambda r: r["step"])
     evals = sorted((r for r in records if is_eval(r)), key=lambda r: r["step"])
-    reasons = inexact(cfg)
+    reasons = inexact(cfg) + engine_of(cfg).inexact()
     summary: dict[str, Any] = {
         "status": status,
         "overrides": run.overrides(),

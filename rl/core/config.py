@@ -183,11 +183,6 @@ class TrainDtype(StrEnum):
     float16 = "float16"
 
 
-class Backend(StrEnum):
-    embedded = "embedded"
-    vllm = "vllm"
-
-
 class WeightTransport(StrEnum):
     filesystem = "filesystem"
     broadcast = "broadcast"
@@ -620,9 +615,9 @@ class ClusterConfig:
 class InferenceConfig:
     """The inference role."""
 
-    backend: Backend | None = None
-    """`embedded` (transformers, CPU or one GPU) or `vllm`; None: vllm where the cluster has
-    GPUs, embedded on CPU."""
+    backend: str | None = None
+    """The inference engine (rl/inference/engines.py): `embedded` (transformers, CPU or one
+    GPU) or `vllm`; None: vllm where the cluster has GPUs, embedded on CPU."""
     max_batch_size: int = bounded(512, ge=1)
     """Most sequences the embedded engine decodes together."""
     api_rows_per_key: int = bounded(512, ge=1)

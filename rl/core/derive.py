@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rl.core.config import (
-    Backend,
     BroadcastBackend,
     LrSchedule,
     Placement,
@@ -22,13 +21,6 @@ from rl.core.config import (
     WeightTransport,
 )
 from rl.core.lora import enabled as lora_enabled
-
-
-def inference_backend(cfg: RunConfig) -> Backend:
-    """`inference.backend`, or vLLM where the cluster has GPUs and the embedded engine on CPU."""
-    if cfg.inference.backend is not None:
-        return Backend(cfg.inference.backend)
-    return Backend.vllm if cfg.cluster.gpus_per_node else Backend.embedded
 
 
 def max_model_len(cfg: RunConfig) -> int:
@@ -130,11 +122,6 @@ def inexact(cfg: RunConfig) -> list[str]:
     elif weight_transport(cfg) == WeightTransport.broadcast:
         reasons.append(
             "inference.weight_transport=broadcast: servers take each version as it is sent"
-        )
-    if inference_backend(cfg) == Backend.vllm and cfg.cluster.gpus_per_node:
-        reasons.append(
-            "inference.backend=vllm on GPUs: vLLM's GPU kernels depend on how it batches the "
-            "requests as they arrive"
         )
     name = str(cfg.environment.name)
     if name == "agent":

@@ -9,10 +9,6 @@ others (`--node K --nodes N`) join it headless; a prefill/decode replica runs on
 
 from __future__ import annotations
 
-import sys
-
-from rl.core.config import Backend
-from rl.core.derive import inference_backend
 from rl.core.runtime import (
     load_run_config,
     role_args,
@@ -20,6 +16,7 @@ from rl.core.runtime import (
     setup_logging,
     start_heartbeat,
 )
+from rl.inference.engines import engine_of
 
 
 def main() -> None:
@@ -28,19 +25,7 @@ def main() -> None:
     name = f"inference-{args.replica}" + (f"-{args.instance}" if args.instance else "")
     logger = setup_logging(name if not args.node else f"{name}-node{args.node}")
     start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
-    if inference_backend(cfg) == Backend.embedded:
-        from rl.inference.server import serve
-
-        serve(cfg, args.run_dir, name, logger)
-        return
-    from rl.inference.vllm.front import serve, serve_headless
-
-    if not args.rest:
-        sys.exit("inference.backend=vllm: no vLLM arguments after '--' (start it from a plan)")
-    if args.node:
-        serve_headless(cfg, args.run_dir, name, args.node, args.nodes, args.rest, logger)
-    else:
-        serve(cfg, args.run_dir, name, args.rest, logger, args.nodes)
+    engine_of(cfg).serve(args.run_dir, name, args, logger)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from rl.core.runtime import (
     setup_logging,
 )
 from rl.envs import make_environment
+from rl.inference.engines import engine_of
 from rl.trainer.batches import IDLE, micro_batch, mini_batch, sft_batch, token_logprobs
 from rl.trainer.checkpoint import (
     load_checkpoint,
@@ -117,7 +118,8 @@ class Trainer:
         )
         self.loss_fn = LOSSES[str(cfg.algorithm.loss)]
         self.reference: Any = None
-        self.weights = make_publisher(cfg, run_dir, self.log)
+        layout = engine_of(cfg).checkpoint_layout
+        self.weights = make_publisher(cfg, run_dir, self.log, layout)
 
     def built_base(self) -> Path:
         """The base checkpoint, built (or converted) once by rank 0 before the others look."""

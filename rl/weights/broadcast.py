@@ -33,7 +33,7 @@ import httpx
 
 from rl.core import fp8
 from rl.core.config import RunConfig
-from rl.core.derive import broadcast_backend, inference_backend
+from rl.core.derive import broadcast_backend
 from rl.core.model import ensure_checkpoint, inference_state, served_layout
 from rl.core.rundir import RunDir
 from rl.core.runtime import Peer, inference_names, run_auth, server_host
@@ -49,15 +49,18 @@ class InferenceBroadcaster:
     """Trainer rank 0's side: one weight group with every inference server, each new version
     sent through it (see the module docstring for the order of an update)."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, log: logging.Logger) -> None:
+    def __init__(
+        self, run_dir: Path, cfg: RunConfig, log: logging.Logger, *, checkpoint_layout: bool
+    ) -> None:
         self.run_dir, self.log = RunDir(run_dir), log
         self.timeout_s = float(cfg.inference.broadcast_timeout_s)
         self.sender = WeightSender(server_host(), str(broadcast_backend(cfg)), self.timeout_s)
         self.servers = [Peer(run_dir, name) for name in inference_names(cfg)]
         self.http = httpx.Client(auth=run_auth(run_dir), timeout=60.0)
         self.spec: WeightGroupSpec | None = None
-        # vLLM loads checkpoint-format tensors; the embedded engine holds the module's layout.
-        self.checkpoint_layout = inference_backend(cfg) == "vllm"
+        # The engine's (rl/inference/engines.py): vLLM loads checkpoint-format tensors; the
+        # embedded engine holds the module's layout.
+        self.checkpoint_layout = checkpoint_layout
         # A base in the FP8 block format: vLLM serves it quantized, so each version is sent
         # quantized again into that format (rl/core/fp8.py), under the base's names.
         base = ensure_checkpoint(cfg.model)
@@ -187,9 +190,15 @@ class BroadcastPublisher(WeightPublisher):
     server, a resume or an export reads it: version 0, checkpointed versions and the last."""
 
     def __init__(
-        self, run_dir: Path, cfg: RunConfig, disk: WeightPublisher, log: logging.Logger
+        self,
+        run_dir: Path,
+        cfg: RunConfig,
+        disk: WeightPublisher,
+        log: logging.Logger,
+        checkpoint_layout: bool,
     ) -> None:
         self.run_dir, self.cfg, self.disk, self.log = run_dir, cfg, disk, log
+        self.checkpoint_layout = checkpoint_layout  # the servers' engine's
         self.broadcaster: InferenceBroadcaster | None = None  # made at the first publish
 
     def exported(self, version: int) -> bool:
@@ -203,5 +212,7 @@ class BroadcastPublisher(WeightPublisher):
         if self.exported(version):
             self.disk.publish(version, model, tokenizer, state)
         if self.broadcaster is None:
-            self.broadcaster = InferenceBroadcaster(self.run_dir, self.cfg, self.log)
+            self.broadcaster = InferenceBroadcaster(
+                self.run_dir, self.cfg, self.log, checkpoint_layout=self.checkpoint_layout
+            )
         self.broadcaster.publish(version, model, state)

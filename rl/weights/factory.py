@@ -13,9 +13,13 @@ from rl.weights.base import VersionWaiter, WeightPublisher
 from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, FilesystemWaiter
 
 
-def make_publisher(cfg: RunConfig, run_dir: Path, log: logging.Logger) -> WeightPublisher:
+def make_publisher(
+    cfg: RunConfig, run_dir: Path, log: logging.Logger, checkpoint_layout: bool
+) -> WeightPublisher:
     """The trainer's publisher for `inference.weight_transport`; versions of a model whose
-    base checkpoint is in the FP8 block format are written in it."""
+    base checkpoint is in the FP8 block format are written in it. `checkpoint_layout`: the
+    servers' engine takes broadcast weights in the checkpoint's layout
+    (rl/inference/engines.py)."""
     from rl.core import fp8  # torch, only where it is used
     from rl.core.model import ensure_checkpoint
 
@@ -26,7 +30,7 @@ def make_publisher(cfg: RunConfig, run_dir: Path, log: logging.Logger) -> Weight
         return disk
     from rl.weights.broadcast import BroadcastPublisher  # torch, only where it is used
 
-    return BroadcastPublisher(run_dir, cfg, disk, log)
+    return BroadcastPublisher(run_dir, cfg, disk, log, checkpoint_layout)
 
 
 def make_waiter(

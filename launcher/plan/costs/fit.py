@@ -31,17 +31,17 @@ from launcher.plan.costs.step_time import generation, sync_seconds, train_second
 from launcher.plan.gpus import SPECS, kind_of
 from launcher.plan.gpus import describe as describe_gpus
 from launcher.plan.gpus import detect as detect_gpus
-from rl.core.config import Backend, Gpu, Placement
+from rl.core.config import Gpu, Placement
 from rl.core.derive import (
     CHECKPOINT_COPIES,
     LayoutError,
     data_parallel,
-    inference_backend,
     kept_versions,
     max_model_len,
     precision,
     trainer_dims,
 )
+from rl.inference.engines import engine_of
 
 ONE_PROCESS = {"world": 1, "dp_replicate": 1, "cp": 1, "ep": 1}  # a trainer mesh of one rank
 
@@ -399,7 +399,7 @@ def check_cluster(cfg: DictConfig, trainer_nodes: int, replica_nodes: int) -> No
 
 def check_inference_layout(cfg: DictConfig, replica_nodes: int) -> None:
     """What only vLLM serves: prefill/decode instances, and replicas spanning nodes."""
-    if inference_backend(cfg) == Backend.vllm:
+    if engine_of(cfg).spans_nodes:
         return
     if disaggregated(cfg):
         refuse(
