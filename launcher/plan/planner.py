@@ -43,6 +43,7 @@ from rl.core.derive import (
     weight_transport,
 )
 from rl.core.rundir import RunDir
+from rl.core.runtime import inference_name, on_node
 from rl.inference.engines import engine_of
 from rl.inference.vllm.args import PD_INSTANCES
 
@@ -173,7 +174,7 @@ def inference_processes(cfg: DictConfig, size: Footprint, devices: LocalDevices)
     placed = [(i, part) for i in range(cfg.parallel.inference.replicas) for part in instances]
     processes = []
     for k, (i, part) in enumerate(placed):
-        name = f"inference-{i}" + (f"-{part}" if part else "")
+        name = inference_name(i, part)
         env = devices.take(each) if gpus else cpu_env(cfg)
         if spans and gpus:  # numbered within the node (a spanning replica's: all of them)
             low = (k % packed) * each
@@ -182,10 +183,10 @@ def inference_processes(cfg: DictConfig, size: Footprint, devices: LocalDevices)
         processes += replica_processes(cfg, i, part, name, nodes, first, each, env)
     if disaggregated(cfg):  # each replica's router, beside its prefill head
         for i in range(cfg.parallel.inference.replicas):
-            prefill = next(p for p in processes if p.name == f"inference-{i}-prefill")
+            prefill = next(p for p in processes if p.name == inference_name(i, "prefill"))
             argv = ["python", "-m", ROLE_MODULES["router"], *RUN_ARGS, "--replica", str(i)]
             processes.append(
-                Process("router", f"inference-{i}", argv, job="inference", node=prefill.node)
+                Process("router", inference_name(i), argv, job="inference", node=prefill.node)
             )
     return processes
 
@@ -219,7 +220,7 @@ def replica_processes(
         processes.append(
             Process(
                 "inference",
-                f"{name}-node{rank}" if rank else name,
+                on_node(name, rank),
                 node_argv,
                 env=dict(env),
                 job="inference",

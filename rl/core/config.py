@@ -15,7 +15,8 @@ from typing import Any
 
 from omegaconf import II, MISSING, OmegaConf
 
-MAX_SEED = 2**63 - 1
+from rl.core.seeds import MAX_SEED
+
 """torch.manual_seed takes a signed 64-bit integer."""
 MAX_PORT = 65535
 

@@ -140,9 +140,21 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
+def inference_name(replica: int, part: str | None = None) -> str:
+    """The process name of inference replica `replica` (its server, or with prefill/decode
+    instances its router), or of its `part` instance: what it logs and writes its address
+    under."""
+    return f"inference-{replica}" + (f"-{part}" if part else "")
+
+
+def on_node(name: str, node: int) -> str:
+    """The name of process `name`'s part on its job's `node` (the first node's is `name`)."""
+    return f"{name}-node{node}" if node else name
+
+
 def inference_names(cfg: RunConfig) -> list[str]:
     """The names the inference servers write their addresses under."""
-    return [f"inference-{i}" for i in range(cfg.parallel.inference.replicas)]
+    return [inference_name(i) for i in range(cfg.parallel.inference.replicas)]
 
 
 def run_keys(run_dir: Path) -> dict[str, str]:

@@ -10,7 +10,9 @@ others (`--node K --nodes N`) join it headless; a prefill/decode replica runs on
 from __future__ import annotations
 
 from rl.core.runtime import (
+    inference_name,
     load_run_config,
+    on_node,
     role_args,
     run_role,
     setup_logging,
@@ -22,8 +24,8 @@ from rl.inference.engines import engine_of
 def main() -> None:
     args = role_args("inference", extra=True)
     cfg = load_run_config(args.run_dir)
-    name = f"inference-{args.replica}" + (f"-{args.instance}" if args.instance else "")
-    logger = setup_logging(name if not args.node else f"{name}-node{args.node}")
+    name = inference_name(args.replica, args.instance)
+    logger = setup_logging(on_node(name, args.node))
     start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     engine_of(cfg).serve(args.run_dir, name, args, logger)
 

@@ -43,6 +43,7 @@ from rl.core.auth import ScopedAuth, as_keys, scoped_guard
 from rl.core.derive import FILE_KV_CONNECTOR, kv_connector
 from rl.core.rundir import RunDir
 from rl.core.runtime import (
+    inference_name,
     listen_socket,
     load_run_config,
     read_address,
@@ -142,7 +143,7 @@ class Router:
         # The file connector's KV, found by prompt alone: computed by older weights once a
         # new version loads, so it is dropped with every update.
         self.kv_files = kv_files
-        self.names = {part: f"inference-{replica}-{part}" for part in PARTS}
+        self.names = {part: inference_name(replica, part) for part in PARTS}
         # Each call goes on with the key of its route's scope (rl/core/auth.py).
         self.http = httpx.AsyncClient(
             auth=ScopedAuth(as_keys(keys)), timeout=httpx.Timeout(REQUEST_TIMEOUT_S)
@@ -401,11 +402,11 @@ def main() -> None:
 
     args = role_args("inference")
     cfg = load_run_config(args.run_dir)
-    name = f"inference-{args.replica}"
+    name = inference_name(args.replica)
     logger = setup_logging(f"{name}-router")
     start_heartbeat(args.run_dir, cfg.timeouts.hung_s)
     for part in ("prefill", "decode"):  # both instances up before this one is announced
-        wait_for_address(args.run_dir, f"{name}-{part}", cfg.timeouts.ready_s)
+        wait_for_address(args.run_dir, inference_name(args.replica, part), cfg.timeouts.ready_s)
     keys = run_keys(args.run_dir)
     files = RunDir(args.run_dir).kv_files(name) if kv_connector(cfg) == FILE_KV_CONNECTOR else None
     app = build_app(Router(args.run_dir, args.replica, keys, logger, files), keys)

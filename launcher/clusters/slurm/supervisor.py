@@ -159,7 +159,7 @@ class NodeSupervisor:
         self.job_id = os.environ["SLURM_JOB_ID"]
         self.cfg = load_run_config(rundir.root)
         self.plan = rundir.read_plan()
-        self.log = setup_logging(f"{job}-node{self.node}")
+        self.log = setup_logging(f"{job}-node{self.node}")  # every node's, the first's too
         self.children: list[Child] = []
         self.stopping = False
         self.bad_since: dict[str, float] = {}

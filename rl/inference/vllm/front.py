@@ -50,7 +50,7 @@ from rl.core.lora import is_adapter_dir
 from rl.core.model import ensure_checkpoint, load_tokenizer
 from rl.core.paths import ROOT
 from rl.core.rundir import RunDir, write_atomic
-from rl.core.runtime import die_with_parent, listen_socket, server_host, write_address
+from rl.core.runtime import die_with_parent, listen_socket, on_node, server_host, write_address
 from rl.inference.admin import LoadWeightsRequest, add_admin_routes, requested_weights
 from rl.inference.client import sampled
 from rl.inference.generation import Sample
@@ -796,7 +796,7 @@ def serve_headless(
     _, args = _served_args(cfg, vllm_args)
     python = cfg.inference.vllm_python or sys.executable
     RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
-    log = RunDir(run_dir).log(f"{instance}-node{node}-vllm")
+    log = RunDir(run_dir).log(f"{on_node(instance, node)}-vllm")
     vllm = VllmProcess(python, args, log, logger, headless=True)
     replica = SpanningReplica(run_dir, instance, nodes)
     deaths = 0
