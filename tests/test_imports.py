@@ -356,3 +356,22 @@ def test_shipped_code_needs_no_test_tools() -> None:
         for line in [node.lineno]
     ]
     assert not found, found
+
+
+def test_tests_readme_maps_every_module_to_tests_that_exist() -> None:
+    """A module's tests can be found by its path: tests/README.md has a row for each module
+    with code, naming test files that exist."""
+    rows = {}
+    for line in (ROOT / "tests" / "README.md").read_text().splitlines():
+        if line.startswith("| `"):
+            cells = line.split("|")
+            rows[cells[1].strip().strip("`")] = [t.strip().strip("`") for t in cells[2].split(",")]
+    with_code = {
+        str(path.relative_to(ROOT))
+        for path in module_files().values()
+        if path.name != "__init__.py" or "def " in path.read_text() or "class " in path.read_text()
+    }
+    assert sorted(with_code - set(rows)) == [], "add these modules to tests/README.md's map"
+    assert sorted(set(rows) - with_code) == [], "tests/README.md maps modules that are gone"
+    named = {t for tests in rows.values() for t in tests}
+    assert sorted(t for t in named if not (ROOT / "tests" / t).is_file()) == []

@@ -191,7 +191,7 @@ def test_gpu_presets_fill_the_figures_the_plan_uses() -> None:
     assert (mine.cluster.gpu_tflops, mine.cluster.link_gbs) == (2250.0, 100.0)
 
 
-def test_item3_activations_turn_on_checkpointing_or_refuse_with_numbers() -> None:
+def test_activations_turn_on_checkpointing_or_refuse_with_numbers() -> None:
     p_cfg = compose_run(*GLM5, "parallel.trainer.nodes=26")
     p = plan(p_cfg)
     assert p_cfg.trainer.activation_checkpointing
@@ -203,7 +203,7 @@ def test_item3_activations_turn_on_checkpointing_or_refuse_with_numbers() -> Non
         plan(compose_run(*GLM5, "parallel.trainer.nodes=4"))
 
 
-def test_item4_replicated_weights_and_kv_size_the_replica() -> None:
+def test_replicated_weights_and_kv_size_the_replica() -> None:
     # One instance serving 131,072-token samples spans four nodes (its trainer is refused at
     # that length: the test above).
     cfg = compose_run(*GLM5, "environment.max_context_tokens=131072")
@@ -213,7 +213,7 @@ def test_item4_replicated_weights_and_kv_size_the_replica() -> None:
         plan(compose_run(*GLM5, "parallel.inference.nodes_per_replica=2"))
 
 
-def test_item5_balance_is_of_the_order_of_prime_rls_glm5_layout() -> None:
+def test_balance_is_of_the_order_of_prime_rls_glm5_layout() -> None:
     # prime-rl's batch (4096 samples), at 8192 tokens: the longest GLM-5 trains at here.
     cfg = compose_run(*GLM5, *PRIME_RL_GLM5[:2], "environment.max_context_tokens=8192",
                       "environment.max_tokens=4096")  # fmt: skip
@@ -228,7 +228,7 @@ def test_item5_balance_is_of_the_order_of_prime_rls_glm5_layout() -> None:
     assert max(waits) < 50, balance  # neither side waits most of the step
 
 
-def test_item6_weight_sync_is_estimated_against_the_link_and_disk() -> None:
+def test_weight_sync_is_estimated_against_the_link_and_disk() -> None:
     # At scale the default is NCCL broadcast, prefill/decode instances included. Rank 0
     # gathers the bf16 version from 168 ranks' shards (1,488 GB x 167/168 over one 50 GB/s
     # link at 80%: 37.0 s), re-quantizes it to FP8 on its GPU (4 passes over 1,488 GB at 70%
@@ -260,7 +260,7 @@ def test_item6_weight_sync_is_estimated_against_the_link_and_disk() -> None:
         assert weight_transport(cfg, cluster_of(cfg).spans_nodes) == WeightTransport.filesystem
 
 
-def test_item7_signal_delay_covers_the_step_and_the_checkpoint() -> None:
+def test_signal_delay_covers_the_step_and_the_checkpoint() -> None:
     cfg = compose_run(*GLM5)
     plan(cfg)
     full = cfg.cluster.signal_delay_s
@@ -274,7 +274,7 @@ def test_item7_signal_delay_covers_the_step_and_the_checkpoint() -> None:
         plan(compose_run(*GLM5, "cluster.time_min=10"))
 
 
-def test_item8_control_job_goes_to_the_cpu_partition() -> None:
+def test_control_job_goes_to_the_cpu_partition() -> None:
     """Per role, the control job (no GPUs) asks only the cluster.cpu_* options, not the GPU
     jobs' constraint, QOS or extra sbatch options; one allocation has no control job."""
     site = (
