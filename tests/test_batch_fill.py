@@ -12,9 +12,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from rl.core.derive import generating_version
 from rl.core.records import Completion, Episode
 from rl.core.rundir import RunDir
+from rl.core.schedule import generating_version
 from rl.envs import Example, make_environment
 from rl.orchestrator.advantages import ADVANTAGES
 from rl.orchestrator.loop import MAX_FILL_ROUNDS, Orchestrator

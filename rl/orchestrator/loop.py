@@ -26,7 +26,7 @@ import httpx
 
 from rl.core import wire
 from rl.core.config import Placement, RunConfig
-from rl.core.derive import exact_schedule, generating_version, max_model_len
+from rl.core.derive import max_model_len
 from rl.core.kinds import is_eval, is_rollout
 from rl.core.model import ensure_checkpoint, load_tokenizer
 from rl.core.records import Episode, EvalRecord, Group, ScoreBounds
@@ -38,6 +38,7 @@ from rl.core.runtime import (
     run_auth,
     setup_logging,
 )
+from rl.core.schedule import carries_surplus, exact_schedule, fresh, generating_version
 from rl.core.seeds import prompt_seeds
 from rl.envs import Environment, Example, make_environment
 from rl.envs.mix import eval_environments
@@ -98,12 +99,6 @@ class Fill:
     @property
     def groups(self) -> list[Group]:
         return self.carried + [group for _, _, group in self.kept]
-
-
-def carries_surplus(cfg: RunConfig) -> bool:
-    """Whether a batch's surplus groups open the next one: a version staler than its own, so
-    not where the run is on-policy (async_level 0)."""
-    return cfg.algorithm.carry_surplus and cfg.algorithm.async_level > 0
 
 
 def last_eval(run_dir: RunDir) -> int:
@@ -328,13 +323,12 @@ class Orchestrator:
     def carried_into(self, step: int) -> list[Group]:
         """The last batch's surplus groups that batch `step` may still train on: the queue
         would drop a group more than max_off_policy_steps behind it."""
-        bound = self.cfg.algorithm.max_off_policy_steps
-        fresh = [g for g in self.carry if step - g.min_version <= bound]
-        if len(fresh) < len(self.carry):
+        kept = [g for g in self.carry if fresh(self.cfg, step, g.min_version)]
+        if len(kept) < len(self.carry):
             self.log.info("batch %d: %d carried groups too stale, dropped",
-                          step, len(self.carry) - len(fresh))  # fmt: skip
+                          step, len(self.carry) - len(kept))  # fmt: skip
         self.carry = []
-        return fresh
+        return kept
 
     def keep_surplus(self, step: int, surplus: list[Group]) -> None:
         """Carry batch `step`'s surplus groups into the next batch (`algorithm.carry_surplus`),
@@ -467,7 +461,7 @@ class Orchestrator:
         first = self.resume()
         for step in range(first, cfg.max_steps):
             self.wait_for_version(generating_version(cfg, step))
-            if step - self.version > cfg.algorithm.max_off_policy_steps:  # versions refused
+            if not fresh(cfg, step, self.version):  # later versions refused
                 raise RuntimeError(
                     f"batch {step}: inference still serves version {self.version}, having refused "
                     "every later one (the warnings above say why); the queue drops a batch more "

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from rl.core.config import RunConfig, WeightTransport
-from rl.core.derive import exact_schedule, kept_versions, weight_transport
+from rl.core.derive import weight_transport
+from rl.core.schedule import exact_schedule, kept_versions
 from rl.weights.base import VersionWaiter, WeightPublisher
 from rl.weights.filesystem import BroadcastRecordWaiter, FilesystemPublisher, FilesystemWaiter
 

@@ -27,7 +27,7 @@ POLL_S = 0.01  # how often inference looks for a new version while it waits for 
 
 class FilesystemPublisher(WeightPublisher):
     """Writes `weights/step_N/` and keeps the newest `keep` versions (and version 0): at least
-    every version the orchestrator may still load (rl/core/derive.py's `kept_versions`). With
+    every version the orchestrator may still load (rl/core/schedule.py's `kept_versions`). With
     `fp8_base`, the base checkpoint in the FP8 block format, each version is written in it."""
 
     def __init__(self, run_dir: Path, keep: int, fp8_base: Path | None = None) -> None:

@@ -31,8 +31,9 @@ from launcher.plan.costs.step_time import (
     workload,
 )
 from rl.core.config import WeightTransport
-from rl.core.derive import kept_versions, max_model_len, weight_transport
+from rl.core.derive import max_model_len, weight_transport
 from rl.core.disk import size as in_bytes
+from rl.core.schedule import kept_versions
 
 DEFAULT_SIGNAL_DELAY_S = 120
 """The signal delay where nothing is estimated (a cluster without GPUs)."""

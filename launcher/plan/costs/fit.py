@@ -36,11 +36,11 @@ from rl.core.derive import (
     CHECKPOINT_COPIES,
     LayoutError,
     data_parallel,
-    kept_versions,
     max_model_len,
     precision,
     trainer_dims,
 )
+from rl.core.schedule import kept_versions
 from rl.inference.engines import engine_of
 
 ONE_PROCESS = {"world": 1, "dp_replicate": 1, "cp": 1, "ep": 1}  # a trainer mesh of one rank
