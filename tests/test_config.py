@@ -288,3 +288,29 @@ def test_a_dry_or_refused_run_removes_only_the_directories_it_made(tmp_path: Pat
     assert mine.is_dir() and list(mine.iterdir()) == []
     assert rl("dry_run=true", f"hydra.run.dir={empty}").returncode == 0
     assert empty.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("algorithm.temperature=0", "algorithm.temperature=0: greedy sampling gives the"),
+        ("environment.group_size=0", "environment.group_size=0: needs >= 2 for a baseline"),
+    ],
+)
+def test_a_role_refuses_a_config_the_launcher_would_refuse(
+    tmp_path: Path, override: str, said: str
+) -> None:
+    """The rules are the config's, not the launcher's: a config.yaml edited by hand (or written
+    by another tool) fails as a role loads it, naming the setting, instead of a role running on
+    it unchecked."""
+    from rl.core.config import InvalidConfig
+    from rl.core.runtime import load_run_config
+    from tests.support.runs import write_run_dir
+
+    key, value = override.split("=")
+    cfg = compose_run()
+    OmegaConf.update(cfg, key, int(value) if value.isdigit() else value, force_add=True)
+    write_run_dir(tmp_path / "run", cfg, "0" * 32)
+    with pytest.raises(InvalidConfig) as refused:
+        load_run_config(tmp_path / "run")
+    assert str(refused.value).startswith(said), str(refused.value)

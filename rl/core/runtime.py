@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from rl.core import disk
 from rl.core.auth import KEYS_ENV, TOKEN_ENV, ScopedAuth, decode_keys, derive
-from rl.core.config import RunConfig
+from rl.core.config import RunConfig, check_config
 from rl.core.rundir import RunDir
 
 # How long a role waits for a peer's server to appear, or to come back after a restart.
@@ -122,7 +122,9 @@ def load_run_config(run_dir: Path) -> RunConfig:
     """The resolved config the launcher wrote, validated against the schema and turned into
     the typed `RunConfig` (each role does this once, at start)."""
     loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), RunDir(run_dir).load_config())
-    return OmegaConf.to_object(loaded)  # type: ignore[return-value]
+    cfg: RunConfig = OmegaConf.to_object(loaded)  # type: ignore[assignment]
+    check_config(cfg)
+    return cfg
 
 
 def setup_logging(role: str) -> logging.Logger:
