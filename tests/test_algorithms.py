@@ -179,3 +179,13 @@ def test_stats_count_masked_clipped_and_mismatch() -> None:
     assert stats["mismatch_kl"].item() == pytest.approx(r - 1 - math.log(r), rel=1e-5)
     assert stats["ratio_max"].item() == pytest.approx(r, rel=1e-5)
     assert stats["ratio_min"].item() == pytest.approx(1.0)
+
+
+def test_every_configurable_loss_and_advantage_has_its_function() -> None:
+    """The registries are keyed by the config's enums, value for value: a new option is one
+    enum value and one function, and neither can be added alone."""
+    from rl.core.config import Advantage, Loss
+    from rl.orchestrator.advantages import ADVANTAGES
+
+    assert list(LOSSES) == list(Loss)
+    assert list(ADVANTAGES) == list(Advantage)

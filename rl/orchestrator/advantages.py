@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from rl.core.config import Advantage
+
 
 def group_mean(rewards: list[float]) -> list[float]:
     """Dr.GRPO-style: reward minus the group mean, no std normalisation (the default)."""
@@ -30,10 +32,11 @@ def rloo(rewards: list[float]) -> list[float]:
 
 
 ADVANTAGES: dict[str, Callable[[list[float]], list[float]]] = {
-    "group_mean": group_mean,
-    "zscore": zscore,
-    "rloo": rloo,
+    Advantage.group_mean: group_mean,
+    Advantage.zscore: zscore,
+    Advantage.rloo: rloo,
 }
+"""Each `algorithm.advantage` (rl/core/config.py's `Advantage`, whose every value has one)."""
 
 
 def advantage_bound(name: str, spread: float, group_size: int) -> float:

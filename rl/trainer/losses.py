@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rl.core.config import Loss
+
 
 @dataclass(frozen=True)
 class LossOutput:
@@ -107,12 +109,13 @@ def cispo_loss(logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor,
 
 LossFn = Callable[..., LossOutput]
 LOSSES: dict[str, LossFn] = {
-    "default": default_loss,
-    "aipo": aipo_loss,
-    "grpo": grpo_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
+    Loss.default: default_loss,
+    Loss.aipo: aipo_loss,
+    Loss.grpo: grpo_loss,
+    Loss.gspo: gspo_loss,
+    Loss.cispo: cispo_loss,
 }
+"""Each `algorithm.loss` (rl/core/config.py's `Loss`, whose every value has one)."""
 
 
 def reduce(per_token: Tensor, mask: Tensor, mode: str, totals: dict[str, float]) -> Tensor:
