@@ -33,7 +33,8 @@ def measure(run_dir: Path, target: float) -> dict[str, float | None]:
     # end of the step whose version first reached it.
     start = train[0]["timestamp"] - train[0]["time/step"]
     reached = next((e["step"] for e in evals if e["eval/exact_match"] >= target), None)
-    at = next((r["timestamp"] for r in train if r["step"] == reached), None)
+    # Version 0 is where RL starts: a target it already meets took no RL time.
+    at = {0: start, **{r["step"]: r["timestamp"] for r in train}}.get(reached)
     return {
         "samples_per_s": sum(r["samples"] for r in steady) / span,
         "steps_to_target": reached,

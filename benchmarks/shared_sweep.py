@@ -14,6 +14,9 @@ shared / sequential, the machine's load average before each, and each point's he
 match before and after, so the speed is seen next to what was learned.
 
     uv run python benchmarks/shared_sweep.py [--steps 300] [--lrs 1e-3,3e-3,6e-3] [--rank 16]
+        [extra overrides ...]
+
+Extra overrides apply to every point of both sides.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from rl.core.kinds import is_eval
 from tests.support.runs import ROOT
 
 
-def run_sweep(sweep_dir: Path, steps: int, lrs: str, rank: int, shared: bool) -> float:
+def run_sweep(sweep_dir: Path, args: argparse.Namespace, shared: bool) -> float:
     argv = [
-        sys.executable, "-m", "launcher.cli", "-m", f"max_steps={steps}",
-        f"model.lora.rank={rank}", f"algorithm.lr={lrs}", f"hydra.sweep.dir={sweep_dir}",
-        *(["inference.shared=true"] if shared else []),
+        sys.executable, "-m", "launcher.cli", "-m", f"max_steps={args.steps}",
+        f"model.lora.rank={args.rank}", f"algorithm.lr={args.lrs}",
+        f"hydra.sweep.dir={sweep_dir}", *(["inference.shared=true"] if shared else []),
+        *args.overrides,
     ]  # fmt: skip
     log = sweep_dir.with_suffix(".log")
     sweep_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -66,13 +70,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lrs", default="1e-3,3e-3,6e-3")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("overrides", nargs="*", help="extra rl overrides for every point")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         walls, loads, results = {}, {}, {}
         for side in ("shared", "sequential"):
             loads[side] = os.getloadavg()[0]
             sweep_dir = Path(tmp) / side
-            walls[side] = run_sweep(sweep_dir, args.steps, args.lrs, args.rank, side == "shared")
+            walls[side] = run_sweep(sweep_dir, args, side == "shared")
             results[side] = exact_matches(sweep_dir)
             print(f"{side}: {walls[side]:.0f} s", flush=True)
     points = len(args.lrs.split(","))

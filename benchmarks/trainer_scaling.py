@@ -8,6 +8,7 @@ is a warm-up and is not timed. Both world sizes use all the cores: one rank with
 two ranks with N/2 threads each.
 
     uv run python benchmarks/trainer_scaling.py [--steps 6] [--samples 64]
+        [--shapes reverse_text,tool_episodes]
 """
 
 from __future__ import annotations
@@ -127,10 +128,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     parser.add_argument("--samples", type=int, default=64, help="samples per step")
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}"
+    )
     args = parser.parse_args()
+    shapes = args.shapes.split(",")
+    if unknown := [shape for shape in shapes if shape not in SHAPES]:
+        parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
     print(f"{args.samples} samples/step, {args.steps} timed steps, {os.cpu_count()} CPUs")
     print(f"{'shape':<14} {'waste padded':>12} {'waste packed':>12}")
-    for shape in SHAPES:
+    for shape in shapes:
         batch = samples(shape, args.samples, seed=1)
         padded, packed = waste(batch, micro_batches(batch, 4096))
         print(f"{shape:<14} {padded:>12.3f} {packed:>12.3f}")
@@ -139,13 +146,13 @@ def main() -> None:
         head = f"{'world 1 tok/s':>14} {'world 2 tok/s':>14} {'2/1':>6}"
         print(f"\n{'shape':<14} {'packing':>7} {head}")
         rates = {}
-        for shape in SHAPES:
+        for shape in shapes:
             for packing in (False, True):
                 one = tokens_per_s(Path(tmp), shape, 1, packing, args.samples, args.steps)
                 two = tokens_per_s(Path(tmp), shape, 2, packing, args.samples, args.steps)
                 rates[shape, packing] = one
                 print(f"{shape:<14} {packing!s:>7} {one:>14.0f} {two:>14.0f} {two / one:>6.2f}")
-        for shape in SHAPES:
+        for shape in shapes:
             ratio = rates[shape, True] / rates[shape, False]
             print(f"{shape}: packed/padded tokens/s at world 1: {ratio:.2f}")
 
