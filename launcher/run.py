@@ -55,11 +55,13 @@ def launch(cfg: DictConfig) -> None:
         branched = branch(cfg)  # model.path naming a run: its weights, no warm-up
         absolute_paths(cfg)
         run_plan = plan(cfg)
+        cfg = run_plan.config  # with what the plan decided
         run_plan.notes += branched + check_this_machine(cfg)
         base_pending = False  # on Slurm: built by a job this point's jobs start after
         if not cfg.dry_run and shares_a_base(cfg):  # a sweep point: warmed up once per group
             base_pending = start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
             run_plan = plan(cfg)
+            cfg = run_plan.config
         if not cfg.dry_run and not base_pending:
             check_weights(cfg)
         if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest
@@ -138,6 +140,7 @@ def resume(cfg: DictConfig, target: Path) -> None:
             OmegaConf.update(config, key, value, merge=False)
     cfg_now = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), config))
     run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
+    cfg_now = run_plan.config
     check_this_machine(cfg_now)
     check_weights(cfg_now)
     cluster_of(cfg_now).check_ended(run)

@@ -46,8 +46,8 @@ def fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_local_gpus_are_found_not_declared(fake_nvidia_smi) -> None:
     fake_nvidia_smi("nvidia-smi-rtx4090.csv")
-    cfg = compose_run("model=qwen3_0_6b")
-    p = plan(cfg)
+    p = plan(compose_run("model=qwen3_0_6b"))
+    cfg = p.config
     assert cfg.cluster.gpus_per_node == 1 and cfg.cluster.gpu_memory_gb == 24.0
     assert "found 1 GPU(s): NVIDIA GeForce RTX 4090, 24 GB each" in p.notes
     # Declared values win over what is found.
@@ -57,9 +57,9 @@ def test_local_gpus_are_found_not_declared(fake_nvidia_smi) -> None:
 
 def test_a_failing_or_missing_nvidia_smi_means_cpu(fake_nvidia_smi) -> None:
     fake_nvidia_smi(None)
-    cfg = compose_run()
-    assert "no GPU found (nvidia-smi): running on CPU" in plan(cfg).notes
-    assert cfg.cluster.gpus_per_node == 0
+    p = plan(compose_run())
+    assert "no GPU found (nvidia-smi): running on CPU" in p.notes
+    assert p.config.cluster.gpus_per_node == 0
 
 
 # One 24 GB GPU, serving samples of 16,384 tokens (not the smoke test's 256; Qwen3-0.6B's own
@@ -78,8 +78,8 @@ ONE_24GB_GPU = (
 def test_one_24gb_gpu_is_shared_by_inference_and_trainer(
     model: str, utilization: str, checkpointing: bool
 ) -> None:
-    cfg = compose_run(f"model={model}", *ONE_24GB_GPU)
-    p = plan(cfg)
+    p = plan(compose_run(f"model={model}", *ONE_24GB_GPU))
+    cfg = p.config
     (server,) = p.role("inference")
     (trainer,) = p.role("trainer")
     vllm = server.argv[server.argv.index("--") + 1 :]

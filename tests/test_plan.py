@@ -68,8 +68,8 @@ def test_ep8_sizes_nodes_from_memory(model: str) -> None:
     checkpointing and offload where needed), and every term the plan prints fits."""
     from launcher.plan.costs.fit import fit_trainer
 
-    cfg = compose_run(f"model={model}", "parallel=ep8", "cluster=slurm")
-    p = plan(cfg)
+    p = plan(compose_run(f"model={model}", "parallel=ep8", "cluster=slurm"))
+    cfg = p.config  # with the GPUs and options the plan decided
     nodes = p.role("trainer")[0].nodes
     assert fit_trainer(cfg, nodes) is not None
     assert p.mesh["ep"] == 8 and cfg.model.num_experts % 8 == 0

@@ -167,6 +167,7 @@ def test_a_long_context_moe_plans_context_parallelism_and_the_chunked_head() -> 
         "environment.max_context_tokens=131072", "environment.max_tokens=16384",
     )  # fmt: skip
     p = plan(cfg)
+    cfg = p.config  # as planned: what the run directory records
     assert p.mesh["cp"] == 4 and cfg.parallel.trainer.cp == 4
     trainer = cfg.trainer
     assert trainer.activation_checkpointing and trainer.lm_head_chunk == 2048
@@ -177,28 +178,25 @@ def test_a_long_context_moe_plans_context_parallelism_and_the_chunked_head() -> 
 
 
 def test_gpu_presets_fill_the_figures_the_plan_uses() -> None:
-    h200 = compose_run(*GLM5, "cluster.gpu=h200")
-    plan(h200)
-    c = h200.cluster
+    c = plan(compose_run(*GLM5, "cluster.gpu=h200")).config.cluster
     assert (c.gpu_memory_gb, c.gpu_tflops, c.gpu_bandwidth_gbs, c.link_gbs) == (
         140.4,
         989.0,
         4800.0,
         50.0,
     )
-    mine = compose_run(*GLM5, "cluster.gpu=b200", "cluster.link_gbs=100")
-    plan(mine)  # a set figure stays; the rest are the preset's
+    # a set figure stays; the rest are the preset's
+    mine = plan(compose_run(*GLM5, "cluster.gpu=b200", "cluster.link_gbs=100")).config
     assert (mine.cluster.gpu_tflops, mine.cluster.link_gbs) == (2250.0, 100.0)
 
 
 def test_activations_turn_on_checkpointing_or_refuse_with_numbers() -> None:
-    p_cfg = compose_run(*GLM5, "parallel.trainer.nodes=26")
-    p = plan(p_cfg)
-    assert p_cfg.trainer.activation_checkpointing
+    p = plan(compose_run(*GLM5, "parallel.trainer.nodes=26"))
+    assert p.config.trainer.activation_checkpointing
     note = next(n for n in p.notes if n.startswith("trainer memory per GPU"))
     assert "activation checkpointing" in note and "activations" in note and "logits" in note
     # 744B float32 master weights and moments are 11.9 TB: 208 GPUs hold them only on the host
-    assert p_cfg.trainer.cpu_offload
+    assert p.config.trainer.cpu_offload
     with pytest.raises(PlanError, match=r"does not fit 32 trainer GPUs .* activations"):
         plan(compose_run(*GLM5, "parallel.trainer.nodes=4"))
 
@@ -235,7 +233,8 @@ def test_weight_sync_is_estimated_against_the_link_and_disk() -> None:
     # of 3,350 GB/s: 2.5 s), and broadcasts 746 GB over the link (18.6 s).
     cfg = compose_run(*GLM5)
     p = plan(cfg)
-    assert weight_transport(cfg) == WeightTransport.broadcast  # as the plan decided it
+    assert cfg.inference.weight_transport is None  # the config given is left as it is
+    assert weight_transport(p.config) == WeightTransport.broadcast  # as the plan decided it
     assert weight_transport(compose_run(*GLM5), spans_nodes=True) == WeightTransport.broadcast
     note = next(n for n in p.notes if n.startswith("weight sync"))
     for part in (
@@ -261,12 +260,9 @@ def test_weight_sync_is_estimated_against_the_link_and_disk() -> None:
 
 
 def test_signal_delay_covers_the_step_and_the_checkpoint() -> None:
-    cfg = compose_run(*GLM5)
-    plan(cfg)
-    full = cfg.cluster.signal_delay_s
+    full = plan(compose_run(*GLM5)).config.cluster.signal_delay_s
     assert full > 120  # 8.9 TB at 20 GB/s is ~7 min, after the step under way
-    light = compose_run(*GLM5, "trainer.stop_checkpoint_optimizer=false")
-    plan(light)
+    light = plan(compose_run(*GLM5, "trainer.stop_checkpoint_optimizer=false")).config
     assert light.cluster.signal_delay_s < full
     with pytest.raises(PlanError, match=r"signal_delay_s=120: too short: .* 8.9 TB"):
         plan(compose_run(*GLM5, "cluster.signal_delay_s=120"))

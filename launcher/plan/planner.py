@@ -12,10 +12,12 @@ I/O but `nvidia-smi`.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -81,9 +83,14 @@ class RunPlan:
     notes: list[str]
     inexact: list[str] = field(default_factory=list)
     """What makes the run depend on more than its config, seed and layout (rl/core/derive.py)."""
+    config: Any = field(default=None, repr=False, compare=False)
+    """The config as planned: the one given, with every value the plan decided filled in (the
+    GPUs found, the weight transport, the trainer's options, the signal delay); what the run
+    directory records and the roles load."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        plan = {k: v for k, v in asdict(self).items() if k != "config"}
+        return json.dumps(plan, indent=2)
 
     def role(self, role: str) -> list[Process]:
         return [p for p in self.processes if p.role == role]
@@ -93,7 +100,10 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
     """Turn a composed run config into a RunPlan, or raise PlanError naming the bad key.
 
     A point of a sweep that shares inference (`inference.shared`) plans its queue,
-    orchestrator and trainer; `service=True` plans that sweep's inference service alone."""
+    orchestrator and trainer; `service=True` plans that sweep's inference service alone.
+
+    The config given is left as it is: the plan decides on a copy, returned as its `config`."""
+    cfg = copy.deepcopy(cfg)
     check_bounds(cfg)
     cluster = cluster_of(cfg)
     found = fill_gpus(cfg)
@@ -132,6 +142,7 @@ def plan(cfg: DictConfig, service: bool = False) -> RunPlan:
         batch_size=env.prompts_per_step * env.group_size,
         notes=notes,
         inexact=inexact(cfg) + engine.inexact(),
+        config=cfg,
     )
 
 

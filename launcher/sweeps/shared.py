@@ -206,13 +206,14 @@ def prepare(points: list[Point], sweep_dir: Path, token: str, base: Path) -> lis
     for cfg in configs:
         cfg.model.path, cfg.warmup.steps = str(base), 0
         cfg.wandb.group = cfg.wandb.group or group  # every point in the sweep's wandb group
-    service_cfg = service_config(configs)
-    service_plan = plan(service_cfg, service=True)
+    service_plan = plan(service_config(configs), service=True)
+    service_cfg = service_plan.config
     run = RunDir(sweep_dir / SERVICE)
     run.create(service_cfg, token, service_plan.to_json())
     units = [Unit(SERVICE, service_cfg, run, service_plan, [], Watch(service_cfg, run, []))]
-    for point, cfg in zip(points, configs, strict=True):
-        run, run_plan = RunDir(point.root), plan(cfg)
+    for point, given in zip(points, configs, strict=True):
+        run, run_plan = RunDir(point.root), plan(given)
+        cfg = run_plan.config
         run.create(cfg, token, run_plan.to_json())
         run.add_overrides(point.overrides + added)
         units.append(Unit(point_name(point.root), cfg, run, run_plan, [], Watch(cfg, run, [])))
@@ -350,8 +351,10 @@ def resume_point(cfg: DictConfig, run_plan: RunPlan, run: RunDir) -> None:
             f"resume={run.root}: the sweep's shared inference is still running (its other "
             f"points); resume this point once the sweep has ended"
         )
-    service_cfg = typed(OmegaConf.to_container(service.load_config(), resolve=True))
-    service_plan = plan(service_cfg, service=True)
+    service_plan = plan(
+        typed(OmegaConf.to_container(service.load_config(), resolve=True)), service=True
+    )
+    service_cfg = service_plan.config
     units = [
         Unit(SERVICE, service_cfg, service, service_plan, [], Watch(service_cfg, service, [])),
         Unit(point_name(run.root), cfg, run, run_plan, [], Watch(cfg, run, [])),
