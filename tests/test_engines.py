@@ -22,6 +22,7 @@ class Echo(Engine):
     """A do-nothing engine with a command line of its own, that serves no quantization."""
 
     name = "echo"
+    label = "echo"
 
     def server_args(
         self, replica_nodes: int, kv_role: str | None, instance: str, gpu_share: float | None

@@ -604,7 +604,10 @@ def test_broadcast_to_a_missing_receiver_fails_naming_it_then_recovers(
     cfg.inference.broadcast_timeout_s = 2
     model = load_model(checkpoint)
     with pytest.raises(TimeoutError) as err:
-        MiscountingBroadcaster(server.run_dir, cfg, logging.getLogger("test")).publish(7, model)
+        layout = engine_of(cfg).checkpoint_layout
+        MiscountingBroadcaster(
+            server.run_dir, cfg, logging.getLogger("test"), checkpoint_layout=layout
+        ).publish(7, model)
     assert "inference-0 (1 of 2 receivers) did not join the gloo group within 2 s" in str(err.value)
     status = server.client.get("/admin/weights/broadcast", params={"wait": 30}).json()
     assert not status["busy"] and "TimeoutError" in status["error"]

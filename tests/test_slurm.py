@@ -515,8 +515,8 @@ def test_sbatch_options_follow_the_plan() -> None:
 
     site = ("cluster.partition=gpu", "cluster.account=proj", "cluster.qos=high",
             "+cluster.sbatch_extra.reservation=rl")  # fmt: skip
-    cfg = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", *site)
-    p = plan(cfg)
+    p = plan(compose_run("model=glm5", "parallel=ep8", "cluster=slurm", *site))
+    cfg = p.config  # with the signal delay the plan decided
     ((job, flags),) = [(j, sbatch_flags(j, p.run_name, cfg)) for j in p.jobs]
     assert flags == (
         f"--job-name={p.run_name} --nodes={job.nodes} --ntasks-per-node=1 --cpus-per-task=96 "
@@ -524,15 +524,17 @@ def test_sbatch_options_follow_the_plan() -> None:
         f"--exclusive --signal=USR2@{cfg.cluster.signal_delay_s} --requeue --reservation=rl"
     )
     assert cfg.cluster.signal_delay_s > 120  # the plan's estimate of a step and a checkpoint
-    small = compose_run("model=qwen3_0_6b", "cluster=slurm")
-    (one_gpu,) = plan(small).jobs
-    assert sbatch_flags(one_gpu, "x", small).startswith(
+    small = plan(compose_run("model=qwen3_0_6b", "cluster=slurm"))
+    (one_gpu,) = small.jobs
+    assert sbatch_flags(one_gpu, "x", small.config).startswith(
         "--job-name=x --nodes=2 --ntasks-per-node=1 --cpus-per-task=12 --mem=128GB"
     )  # a GPU of 8: an eighth of 96 CPUs and 1024 GB, not all of them
-    assert "--exclusive" not in sbatch_flags(one_gpu, "x", small)
-    per_role = compose_run("model=glm5", "parallel=ep8", "cluster=slurm", *site,
-                           "cluster.allocation=per_role", "cluster.cpu_partition=cpu")  # fmt: skip
-    roles = {j.name: sbatch_flags(j, "x", per_role) for j in plan(per_role).jobs}
+    assert "--exclusive" not in sbatch_flags(one_gpu, "x", small.config)
+    planned = plan(compose_run("model=glm5", "parallel=ep8", "cluster=slurm", *site,
+                               "cluster.allocation=per_role",
+                               "cluster.cpu_partition=cpu"))  # fmt: skip
+    per_role = planned.config
+    roles = {j.name: sbatch_flags(j, "x", per_role) for j in planned.jobs}
     assert roles["control"] == (
         f"--job-name=x-control --nodes=1 --ntasks-per-node=1 --cpus-per-task=8 --mem=32GB "
         f"--time=1440 --partition=cpu --account=proj --signal=USR2@"
@@ -544,7 +546,8 @@ def test_sbatch_options_follow_the_plan() -> None:
         "cluster.container_image=relay.sqsh", "cluster.container_mounts=[/lustre:/lustre]",
         "cluster.network_interface=ib0",
     )  # fmt: skip
-    printed = format_plan(plan(fabric), fabric).splitlines()
+    fabric_plan = plan(fabric)
+    printed = format_plan(fabric_plan, fabric_plan.config).splitlines()
     for line in (
         "setup: module load cuda/12.4",
         "setup: export NCCL_IB_HCA=mlx5_0",
@@ -659,8 +662,8 @@ def supervisor_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from launcher.plan.planner import plan
     from tests.support.runs import compose_run
 
-    cfg = compose_run("cluster=slurm_cpu", "max_restarts=0", PER_ROLE)
-    RunDir(tmp_path).create(cfg, "token", plan(cfg).to_json())
+    planned = plan(compose_run("cluster=slurm_cpu", "max_restarts=0", PER_ROLE))
+    RunDir(tmp_path).create(planned.config, "token", planned.to_json())
     slurm_cli.write_jobs(RunDir(tmp_path), "cpu", {"control": "11", "trainer": "12"})
     monkeypatch.setenv("SLURM_JOB_ID", "11")
     monkeypatch.setattr(slurm_cli, "slurm", FakeSlurm())

@@ -349,7 +349,7 @@ def check_lora(cfg: DictConfig) -> str:
     engine = engine_of(cfg)
     if engine.lora_ranks and max(rank, inf.max_lora_rank or 0) > engine.lora_ranks[-1]:
         raise PlanError(
-            f"model.lora.rank={rank}: {engine.name} serves adapters up to rank "
+            f"model.lora.rank={rank}: {engine.label} serves adapters up to rank "
             f"{engine.lora_ranks[-1]}"
         )
     if engine.adapters_from_directories and weight_transport(cfg) == WeightTransport.broadcast:

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from launcher.watch.report import exact_match_se
-from rl.core.config import STEP_FIELDS
-from rl.core.kinds import RecordKind, eval_options, kind_of
+from rl.core.kinds import STEP_FIELDS, RecordKind, eval_options, kind_of
 from rl.core.rundir import RunDir, read_jsonl, write_atomic
 
 ETA_WINDOW = 20

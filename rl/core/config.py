@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import II, MISSING, OmegaConf
 
+from rl.core.kinds import STEP_FIELDS
 from rl.core.seeds import MAX_SEED
 
 """torch.manual_seed takes a signed 64-bit integer."""
@@ -801,10 +802,6 @@ class EvalConfig:
     `{option: <environment option>, args: {...}, eval_size: N}` (single-turn options of
     conf/environment/, built with the run's seed; eval_size defaults to the option's), each
     logged as `eval/<option>/exact_match` and `eval/<option>/reward/mean`."""
-
-
-STEP_FIELDS = ("reward", "loss", "signal", "clipped", "throughput", "times", "staleness", "eta")
-"""What a step's console line may show, in this order (`console.fields`)."""
 
 
 @dataclass

@@ -26,6 +26,10 @@ def is_eval(record: dict[str, Any]) -> bool:
     return record.get("kind") == RecordKind.eval
 
 
+STEP_FIELDS = ("reward", "loss", "signal", "clipped", "throughput", "times", "staleness", "eta")
+"""What a step's console line may show, in this order (`console.fields`)."""
+
+
 def eval_options(record: dict[str, Any]) -> list[str]:
     """The `eval.environments` options an eval record holds results of
     (`eval/<option>/exact_match`), in the order logged."""

@@ -42,7 +42,7 @@ class Admin(Protocol):
 
     async def health(self) -> tuple[int, dict[str, Any]]: ...
 
-    async def version(self, model: str) -> dict[str, Any]: ...
+    async def served_version(self, model: str) -> dict[str, Any]: ...
 
     async def load_weights(self, request: LoadWeightsRequest) -> dict[str, Any]: ...
 
@@ -63,7 +63,7 @@ def add_admin_routes(app: FastAPI, authorized: Callable[..., Any], admin: Admin)
     @app.get("/admin/version", dependencies=guard)
     async def version(model: str = "") -> dict[str, Any]:
         """The version served as `model` (a LoRA adapter's name; "": the run's policy)."""
-        return await admin.version(model)
+        return await admin.served_version(model)
 
     @app.post("/admin/load_weights", dependencies=guard)
     async def load_weights(request: LoadWeightsRequest) -> dict[str, Any]:

@@ -22,6 +22,8 @@ class Engine:
     """An inference engine for one run (`cfg`); the defaults are the embedded engine's."""
 
     name: ClassVar[str]
+    label: ClassVar[str]
+    """How messages name it."""
     spans_nodes: ClassVar[bool] = False
     """Whether a replica may span nodes, or split into prefill and decode instances."""
     checkpoint_layout: ClassVar[bool] = False
@@ -71,6 +73,7 @@ class Embedded(Engine):
     or one GPU, bit-reproducible."""
 
     name = "embedded"
+    label = "the embedded engine"
     bounded_batch = True
 
     def serve(self, run_dir: Path, name: str, args: Any, log: logging.Logger) -> None:

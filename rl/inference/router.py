@@ -309,7 +309,7 @@ class Router:
         await self.both("POST", "/admin/wake_up")
         return {"asleep": False}
 
-    async def version(self, model: str) -> dict[str, Any]:
+    async def served_version(self, model: str) -> dict[str, Any]:
         answers = await self.both("GET", "/admin/version", params={"model": model})
         return {"policy_version": min(a["policy_version"] for a in answers)}
 

@@ -193,7 +193,7 @@ class EmbeddedAdmin:
             "requests_dropped": engine.requests_dropped,  # their clients went away
         }
 
-    async def version(self, model: str) -> dict[str, Any]:
+    async def served_version(self, model: str) -> dict[str, Any]:
         return {"policy_version": self.engine.held(model)}
 
     async def load_weights(self, request: LoadWeightsRequest) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from rl.inference.vllm.args import VLLM_LORA_RANKS, spanning_args, vllm_args
 
 class Vllm(Engine):
     name = "vllm"
+    label = "vLLM"
     spans_nodes = True
     checkpoint_layout = True  # it loads checkpoint-format tensors
     quantizations = ("fp8",)  # FP8 block checkpoints, its CPU build included

@@ -746,7 +746,7 @@ class VllmAdmin:
             "requests_dropped": front.dropped,  # aborted in vLLM: their clients went away
         }
 
-    async def version(self, model: str) -> dict[str, Any]:
+    async def served_version(self, model: str) -> dict[str, Any]:
         return {"policy_version": self.front.held(model)}
 
     async def load_weights(self, request: LoadWeightsRequest) -> dict[str, Any]:
