@@ -51,6 +51,11 @@ def launch(cfg: DictConfig) -> None:
         finally:
             remove_made(run_dir)
         return
+    if not cfg.dry_run and RunDir(run_dir).is_run():  # a run's directory given again
+        raise ConfigError(
+            f"hydra.run.dir={run_dir}: it holds a run already; continue it with "
+            f"{override('resume', run_dir)}, or give another directory"
+        )
     try:
         branched = branch(cfg)  # model.path naming a run: its weights, no warm-up
         absolute_paths(cfg)

@@ -314,3 +314,21 @@ def test_a_role_refuses_a_config_the_launcher_would_refuse(
     with pytest.raises(InvalidConfig) as refused:
         load_run_config(tmp_path / "run")
     assert str(refused.value).startswith(said), str(refused.value)
+
+
+def test_a_run_directory_given_again_is_refused_naming_the_resume(tmp_path: Path) -> None:
+    """`rl hydra.run.dir=<a run's directory>` ended in a traceback (FileExistsError on its
+    token); it is refused in one line that says how to continue that run, and the run's
+    files are left as they were."""
+    from rl.core.rundir import RunDir
+    from tests.support.runs import write_run_dir
+
+    run = RunDir(write_run_dir(tmp_path / "run", compose_run(), "0" * 32))
+    before = sorted(p.name for p in run.root.rglob("*"))
+    out = rl(f"hydra.run.dir={run.root}", "max_steps=1")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        f"error: hydra.run.dir={run.root}: it holds a run already; continue it with "
+        f"resume={run.root}, or give another directory\n"
+    )
+    assert sorted(p.name for p in run.root.rglob("*")) == before
