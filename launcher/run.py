@@ -169,15 +169,11 @@ def eval_config(cfg: DictConfig, outputs: Path) -> DictConfig:
     (`eval.*`, `environment.eval_size`, ...), as a run of no RL step (`max_steps=0`) from R's
     version N (its newest where no step is given) without a warm-up: the orchestrator
     evaluates that version (version 0 of this run) and the run ends."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from launcher.watch.status import find_run
 
     run = find_run(cfg.run_dir, outputs)
     config = OmegaConf.merge(OmegaConf.structured(RunConfig), run.load_config())
-    own = ("action", "run_dir", "step", "hydra.")
-    given = [o for o in HydraConfig.get().overrides.task if not o.startswith(own)]
-    for requested in OverridesParser.create().parse_overrides(given):
+    for requested in given_overrides(("action", "run_dir", "step", "hydra.")):
         key = requested.key_or_group
         if key in GROUPS or requested.is_delete():
             raise ConfigError(
@@ -205,14 +201,19 @@ def resumable(key: str) -> bool:
     return key in RESUMABLE or key.startswith(RESUMABLE_GROUPS)
 
 
+def given_overrides(skipped: tuple[str, ...]) -> list[Any]:
+    """The command line's overrides, parsed, but those starting with one of `skipped`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [o for o in HydraConfig.get().overrides.task if not o.startswith(skipped)]
+    return OverridesParser.create().parse_overrides(given)
+
+
 def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
     """The settings the command line changes, read from the composed `cfg` (so typed and
     checked by the schema); ConfigError naming the first one a resume may not change."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    given = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
     changes = {}
-    for requested in OverridesParser.create().parse_overrides(given):
+    for requested in given_overrides(("resume=",)):
         key = requested.key_or_group
         if requested.is_delete() or requested.is_add() or not resumable(key):
             raise ConfigError(

@@ -13,9 +13,10 @@ name when first asked for, so that the planner, below them, never imports them.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from rl.envs import load_callable
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -142,7 +143,6 @@ def cluster_of(cfg: DictConfig | Any) -> Cluster:
 
         refuse(f"cluster.kind={kind}", f"no such cluster; known: {', '.join(sorted(CLUSTERS))}")
     found = CLUSTERS[kind]
-    if isinstance(found, str):
-        module, _, name = found.partition(":")
-        found = CLUSTERS[kind] = getattr(importlib.import_module(module), name)
+    if isinstance(found, str):  # imported once, when first asked for
+        found = CLUSTERS[kind] = load_callable(found, f"cluster.kind={kind}")
     return found(cfg)

@@ -12,10 +12,11 @@ first asked for. This module imports neither engine's code, so that the planner 
 
 from __future__ import annotations
 
-import importlib
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
+
+from rl.envs import load_callable
 
 
 class Engine:
@@ -105,7 +106,6 @@ def engine_of(cfg: Any) -> Engine:
             f"inference.backend={name}: no such engine; known: {', '.join(sorted(ENGINES))}"
         )
     found = ENGINES[name]
-    if isinstance(found, str):
-        module, _, attr = found.partition(":")
-        found = ENGINES[name] = getattr(importlib.import_module(module), attr)
+    if isinstance(found, str):  # imported once, when first asked for
+        found = ENGINES[name] = load_callable(found, f"inference.backend={name}")
     return found(cfg)

@@ -157,22 +157,18 @@ class Orchestrator:
         environment itself (None: an episode without a model turn). Each example's samples
         are seeded from the run's seed, `where` (e.g. "train", step, round) and its place.
         `env`: the run's own environment, or a single-turn one of `eval.environments`."""
+        env = env or self.env
         max_tokens = self.cfg.environment.max_tokens
-        if env is not None and env is not self.env:
-            seeds = prompt_seeds(self.cfg.seed, len(examples), *where)
-            done = self.inference.complete_all([e.prompt for e in examples], n, max_tokens,
-                                               temperature, seeds)  # fmt: skip
-            return [Episode.of(c) for c in done]
-        own = self.env.rollouts(self.inference, examples, n, temperature, self.max_len)
+        own = env.rollouts(self.inference, examples, n, temperature, self.max_len)
         if own is not None:
             return own
         seeds = prompt_seeds(self.cfg.seed, len(examples), *where)
-        if self.tokenizer is None:
+        if env.max_turns == 1:
             prompts = [e.prompt for e in examples]
             done = self.inference.complete_all(prompts, n, max_tokens, temperature, seeds)
             return [Episode.of(c) for c in done]
         return run_episodes(
-            self.inference, self.env, self.tokenizer, examples, n, max_tokens, temperature,
+            self.inference, env, self.tokenizer, examples, n, max_tokens, temperature,
             self.max_len, seeds,
         )  # fmt: skip
 
@@ -191,42 +187,36 @@ class Orchestrator:
         match and reward over every completion, and with several, pass@k over the prompts;
         then each of `eval.environments`' held-out sets, the same way, under its option."""
         t0 = time.monotonic()
-        played, rewards, exact, solved = self.score_eval(self.env, "eval", self.version)
+        played, rewards, exact, own = self.score_eval(self.env, "eval", self.version)
         self.save_eval_samples(played[:EVAL_SAMPLES_KEPT], rewards, exact)
-        k = self.cfg.eval.samples
+        others = {option: self.score_eval(env, "eval", option, self.version)[3]
+                  for option, env in self.eval_envs}  # fmt: skip
         record = EvalRecord(
             step=self.version,
-            exact_match=sum(exact) / len(exact),
-            reward_mean=sum(rewards) / len(rewards),
-            samples=len(solved),
-            time_s=0.0,
-            k=k,
-            pass_at_k=sum(solved) / len(solved),
+            exact_match=own["exact_match"],
+            reward_mean=own["reward/mean"],
+            samples=own["samples"],
+            time_s=time.monotonic() - t0,
+            k=self.cfg.eval.samples,
+            pass_at_k=own.get("pass_at_k"),
+            others=others,
         )
-        for option, env in self.eval_envs:
-            _, rewards, exact, solved = self.score_eval(env, "eval", option, self.version)
-            record.others[option] = {
-                "exact_match": sum(exact) / len(exact),
-                "reward/mean": sum(rewards) / len(rewards),
-                "samples": len(solved),
-                **({"pass_at_k": sum(solved) / len(solved)} if k > 1 else {}),
-            }
-        record.time_s = time.monotonic() - t0
         self.run_dir.append_metrics(record.to_json())
         self.log.info(
             "eval at version %d: exact_match %.3f reward %.3f%s",
             self.version,
             record.exact_match,
             record.reward_mean,
-            "".join(f", {o} {m['exact_match']:.3f}" for o, m in record.others.items()),
+            "".join(f", {o} {m['exact_match']:.3f}" for o, m in others.items()),
         )
         self.last_eval = self.version
 
     def score_eval(
         self, env: Environment, *where: int | str
-    ) -> tuple[list[tuple[Example, Episode | None]], list[float], list[bool], list[bool]]:
+    ) -> tuple[list[tuple[Example, Episode | None]], list[float], list[bool], dict[str, float]]:
         """`env`'s held-out prompts played `eval.samples` times each: the (prompt, episode)
-        pairs, each completion's reward and exact match, and whether each prompt was solved."""
+        pairs, each completion's reward and exact match, and the summary (exact match and mean
+        reward over the completions, prompts scored, and with several samples pass@k)."""
         examples = env.eval_examples()
         k, temperature = self.cfg.eval.samples, self.cfg.eval.temperature
         episodes = self.rollouts(examples, k, temperature, *where, env=env)
@@ -236,7 +226,14 @@ class Orchestrator:
         rewards = [env.score(e, p.completion) if p else 0.0 for e, p in played]
         exact = [bool(p) and env.exact_match(e, p.completion) for e, p in played]
         solved = [any(exact[i * k : (i + 1) * k]) for i in range(len(examples))]
-        return played, rewards, exact, solved
+        summary = {
+            "exact_match": sum(exact) / len(exact),
+            "reward/mean": sum(rewards) / len(rewards),
+            "samples": len(examples),
+        }
+        if k > 1:
+            summary["pass_at_k"] = sum(solved) / len(solved)
+        return played, rewards, exact, summary
 
     def save_eval_samples(
         self, played: list[tuple[Example, Episode | None]], rewards: list[float], exact: list[bool]
