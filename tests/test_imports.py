@@ -202,7 +202,7 @@ LAUNCHER_LAYERS = (
     ("launcher.plan.costs.fit",),
     ("launcher.plan.checks", "launcher.plan.costs.figures", "launcher.clusters.slurm.jobs"),
     ("launcher.plan.planner",),
-    ("launcher.clusters.run_dir",),
+    ("launcher.clusters.run_dir", "launcher.clusters.supervisor"),
     (
         "launcher.sweeps.summary",
         "launcher.clusters.local.launch",

@@ -820,7 +820,7 @@ def test_status_shows_current_reasons_user_names_and_every_attempt(
     run = RunDir(tmp_path)
     run.internal.mkdir()
     slurm_cli.write_jobs(run, "cpu", {"control": "11", "trainer": "12"})
-    slurm_cli.record_failure(run, "job trainer (12) ended NODE_FAIL", "trainer")
+    run.record_failure("job trainer (12) ended NODE_FAIL", "trainer")
     run.end_submission()
     slurm_cli.write_jobs(run, "cpu", {"control": "21", "trainer": "22"})
     squeue = (

@@ -63,6 +63,20 @@ class Job:
     exclusive: bool = False
 
 
+NODE_ADDRESS = "<the node's address>"
+
+
+def node_env(cfg: DictConfig | Any, address: str = NODE_ADDRESS) -> dict[str, str]:
+    """What each node's supervisor sets for its roles, beyond the plan's own variables: vLLM's
+    NIXL side channel on the node's own address (its default, localhost, fails prefill and
+    decode across nodes), and NCCL's and gloo's interface where `cluster.network_interface`
+    names one."""
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": address}
+    if interface := cfg.cluster.network_interface:
+        env |= {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+    return env
+
+
 class Cluster:
     """A place to run: the defaults are those of this machine, where nothing is scheduled."""
 

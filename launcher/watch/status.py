@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.clusters.run_dir import running_roles
-from launcher.clusters.slurm.cli import JobState, failure_reason, job_states, read_jobs
+from launcher.clusters.slurm.cli import JobState, job_states, read_jobs
 from launcher.errors import ConfigError
 from launcher.watch.report import LAST_STEPS, override, read_records, read_summary
 from launcher.watch.tracking import ETA_WINDOW, duration
@@ -95,7 +95,7 @@ def run_state(run: RunDir) -> str:
         return "finished"
     ids = read_jobs(run)
     if ids:
-        reason = failure_reason(run)
+        reason = run.failure_reason()
         if reason is not None:
             return "cancelled" if reason.startswith("cancelled") else "failed"
         try:
@@ -135,7 +135,7 @@ def format_status(run: RunDir) -> str:
     lines += _progress_lines(run, train, _newest([r for r in records if is_eval(r)]), state)
     if run.complete.exists():
         lines.append("  complete")
-    reason = failure_reason(run)
+    reason = run.failure_reason()
     if reason is not None:
         lines.append(f"  ended: {reason}")
     if state in ("interrupted", "failed", "stopped") and not jobs:

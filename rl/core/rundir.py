@@ -726,6 +726,24 @@ class RunDir:
         """Why the run ended early (written once: the first job to notice wins)."""
         return self.internal / "failure.json"
 
+    def record_failure(self, reason: str, job: str | None = None) -> bool:
+        """Record why the run ended, once (the first job to notice wins); True if this call
+        did."""
+        try:
+            fd = os.open(self.failure, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump({"reason": reason, "job": job}, f, indent=2)
+        return True
+
+    def failure_reason(self) -> str | None:
+        """Why the run ended early, if a job has recorded it."""
+        try:
+            return json.loads(self.failure.read_text())["reason"]
+        except FileNotFoundError:
+            return None
+
     @property
     def complete(self) -> Path:
         """Created by the control job once trainer and orchestrator are done."""

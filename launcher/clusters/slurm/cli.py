@@ -11,7 +11,6 @@ here, below both, and call the Slurm clients (`scontrol`, `sinfo`, `squeue`, `sa
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -244,29 +243,9 @@ def read_jobs(run: RunDir) -> dict[str, str]:
         return {}
 
 
-def record_failure(run: RunDir, reason: str, job: str | None = None) -> bool:
-    """Record why the run ended, once (the first job to notice wins); True if this call did."""
-    record = {"reason": reason, "job": job}
-    try:
-        fd = os.open(run.failure, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=2)
-    return True
-
-
-def failure_reason(run: RunDir) -> str | None:
-    """Why the run ended early, if a job has recorded it."""
-    try:
-        return json.loads(run.failure.read_text())["reason"]
-    except FileNotFoundError:
-        return None
-
-
 def cancel_run(run: RunDir, reason: str, job: str | None = None) -> None:
     """Record the reason and cancel every job of the run that is still queued or running."""
-    record_failure(run, reason, job)
+    run.record_failure(reason, job)
     ids = read_jobs(run)
     if ids:
         slurm("scancel", *ids.values(), check=False)

@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.clusters.base import Job
+from launcher.clusters.base import Job, node_env
 from launcher.plan.costs.fit import Footprint, inference_nodes, pd_factor, per_node, replica_gpus
 from rl.core.config import Allocation
 
@@ -131,20 +131,6 @@ def srun_args(cfg: DictConfig) -> list[str]:
     if c.container_mounts:
         args.append(f"--container-mounts={','.join(c.container_mounts)}")
     return args
-
-
-NODE_ADDRESS = "<the node's address>"
-
-
-def node_env(cfg: DictConfig, address: str = NODE_ADDRESS) -> dict[str, str]:
-    """What each node's supervisor sets for its roles, beyond the plan's own variables: vLLM's
-    NIXL side channel on the node's own address (its default, localhost, fails prefill and
-    decode across nodes), and NCCL's and gloo's interface where `cluster.network_interface`
-    names one."""
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": address}
-    if interface := cfg.cluster.network_interface:
-        env |= {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
-    return env
 
 
 def node_env_line(cfg: DictConfig) -> str:
