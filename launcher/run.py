@@ -37,13 +37,10 @@ def launch(cfg: DictConfig) -> None:
         except Exception:
             remove_made(run_dir)
             raise
-    elif cfg.action != Action.run:
-        from launcher.clusters.slurm import submit as slurm
-        from launcher.watch.status import status
-
+    elif cfg.action not in (Action.run, Action.manifests):
         actions = {
             Action.status: status,
-            Action.cancel: partial(slurm.cancel, force=cfg.force),
+            Action.cancel: partial(cancel, force=cfg.force),
             Action.export: partial(export, step=cfg.step),
         }
         try:  # the runs are found under the outputs folder, two levels above this one's
@@ -67,7 +64,7 @@ def launch(cfg: DictConfig) -> None:
             base_pending = start_from_base(cfg, Path(HydraConfig.get().sweep.dir))
             run_plan = plan(cfg)
             cfg = run_plan.config
-        if not cfg.dry_run and not base_pending:
+        if not cfg.dry_run and not base_pending and cluster_of(cfg).sees_files:
             check_weights(cfg)
         if cfg.inference.shared:  # a point of a sweep sharing inference: started with the rest
             from launcher.sweeps import shared as shared_sweep
@@ -78,6 +75,12 @@ def launch(cfg: DictConfig) -> None:
     except Exception:
         remove_made(run_dir)
         raise
+    if cfg.action == Action.manifests:  # the objects alone on stdout, for kubectl apply -f -
+        try:
+            print_manifests(cfg, run_plan)
+        finally:
+            remove_made(run_dir)
+        return
     warn_of_disk(cfg, run_dir)
     if cfg.dry_run:
         print(format_plan(run_plan, cfg))
@@ -91,6 +94,35 @@ def launch(cfg: DictConfig) -> None:
         cluster_of(cfg).start(run_plan)
     finally:
         remove_made(run_dir)  # where the run went elsewhere and left it empty
+
+
+def print_manifests(cfg: DictConfig, run_plan: Any) -> None:
+    """`action=manifests`: the run's objects as one YAML stream on stdout, nothing else."""
+    given = [o for o in HydraConfig.get().overrides.task if not o.startswith("action=")]
+    sys.stdout.write(cluster_of(cfg).manifests(run_plan, given))
+    sys.stdout.flush()
+
+
+def status(run_dir: str | None, outputs: Path) -> None:
+    """`action=status`: the run's status (its cluster's, where it has more to say than the run
+    directory); for a sweep directory, its comparison table."""
+    from launcher.watch.status import find_run, format_status
+    from launcher.watch.status import status as sweep_or_run
+
+    if run_dir and not RunDir(Path(run_dir)).config.exists():
+        sweep_or_run(run_dir, outputs)
+        return
+    run = find_run(run_dir, outputs)
+    said = cluster_of(run.load_config()).status(run)
+    print(said if said is not None else format_status(run))
+
+
+def cancel(run_dir: str | None, outputs: Path, force: bool = False) -> None:
+    """`action=cancel`: end the run on its cluster."""
+    from launcher.watch.status import find_run
+
+    run = find_run(run_dir, outputs)
+    cluster_of(run.load_config()).cancel(run, force)
 
 
 RESUMABLE = ("max_steps", "max_restarts", "environment.eval_every", "trainer.checkpoint_every")

@@ -200,7 +200,12 @@ LAUNCHER_LAYERS = (
         "launcher.clusters.slurm.cli",
     ),
     ("launcher.plan.costs.fit",),
-    ("launcher.plan.checks", "launcher.plan.costs.figures", "launcher.clusters.slurm.jobs"),
+    (
+        "launcher.plan.checks",
+        "launcher.plan.costs.figures",
+        "launcher.clusters.slurm.jobs",
+        "launcher.clusters.layout",
+    ),
     ("launcher.plan.planner",),
     ("launcher.clusters.run_dir", "launcher.clusters.supervisor"),
     (

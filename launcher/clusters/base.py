@@ -77,12 +77,33 @@ def node_env(cfg: DictConfig | Any, address: str = NODE_ADDRESS) -> dict[str, st
     return env
 
 
+TERM_CHECKPOINT_S = 60.0
+"""The least a supervisor waits for the trainer's checkpoint after a SIGTERM (else the plan's
+estimate); the scheduler's SIGKILL follows after its grace (Slurm's KillWait, a pod's
+terminationGracePeriodSeconds), which ends the wait sooner."""
+
+
+def checkpoint_budget_s(cfg: Any) -> float:
+    """How long the trainer may take to checkpoint when warned of a time limit: the plan's
+    signal delay (a step and a checkpoint, with a margin) less a margin for stopping."""
+    return max(10.0, cfg.cluster.signal_delay_s - 30.0)
+
+
+def term_budget_s(cfg: Any) -> float:
+    """How long a supervisor waits for the trainer's checkpoint after a SIGTERM."""
+    return max(TERM_CHECKPOINT_S, checkpoint_budget_s(cfg))
+
+
 class Cluster:
     """A place to run: the defaults are those of this machine, where nothing is scheduled."""
 
     spans_nodes: ClassVar[bool] = False
     """Whether a run's processes are placed on nodes of their own (a scheduler's), or all on
     this machine, whose GPUs the plan hands out."""
+
+    sees_files: ClassVar[bool] = True
+    """Whether the machine `rl` runs on sees what the run's processes read (`model.path`, the
+    run directory's filesystem), so that it can check them before starting anything."""
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -125,6 +146,29 @@ class Cluster:
     def check_ended(self, run: RunDir) -> None:
         """ConfigError while any process (or job) of the run is still alive."""
 
+    def status(self, run: RunDir) -> str | None:
+        """What `rl action=status` says of the run beyond its directory; None: the
+        directory says it all (launcher/watch/status.py)."""
+        return None
+
+    def manifests(self, run_plan: Any, overrides: list[str]) -> str:
+        """The run as the objects this cluster would create (`rl action=manifests`)."""
+        from launcher.errors import ConfigError
+
+        raise ConfigError(
+            f"action=manifests: cluster={self.cfg.cluster.name} creates no objects to print; "
+            f"it is Kubernetes' (cluster=kubernetes)"
+        )
+
+    def cancel(self, run: RunDir, force: bool) -> None:
+        """End the run (`rl action=cancel`), its trainer first checkpointing unless `force`."""
+        from launcher.errors import ConfigError
+
+        raise ConfigError(
+            f"run_dir={run.root}: a run on this machine; stop it with Ctrl-C where it runs "
+            f"(the trainer checkpoints first)"
+        )
+
     def start_base(self, run: RunDir) -> str | None:
         """A sweep's shared base, where this cluster builds it apart from the points: the id
         of the job building it, which the points' jobs start after; None: the caller warms
@@ -140,6 +184,7 @@ class Cluster:
 CLUSTERS: dict[str, str | type[Cluster]] = {
     "local": "launcher.clusters.local.cluster:Local",
     "slurm": "launcher.clusters.slurm.cluster:Slurm",
+    "kubernetes": "launcher.clusters.kubernetes.cluster:Kubernetes",
 }
 """Every cluster by `cluster.kind`: its class, or where to import it from (`module:Class`)."""
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.clusters.base import node_env
+from launcher.clusters.base import checkpoint_budget_s, node_env, term_budget_s
 from launcher.clusters.processes import (
     FINISHING_ROLES,
     POLL_S,
@@ -43,10 +43,6 @@ from rl.core.runtime import CHECKPOINT_ON_TERM_ENV, RUN_DIR_ENV, load_run_config
 
 SUPERVISE_S = 1.0  # how often the supervisor looks at its roles, the run and its peers
 PEER_POLL_S = 5.0
-# The least the trainer may take to checkpoint after a SIGTERM (else the plan's estimate);
-# the scheduler's SIGKILL follows after its grace (Slurm's KillWait, a pod's
-# terminationGracePeriodSeconds), which ends the wait sooner.
-TERM_CHECKPOINT_S = 60.0
 # Ports a replica spanning nodes is joined on at its head (vLLM's data-parallel RPC or
 # torch.distributed port): away from the trainer's (20000-39999).
 HEAD_PORT_BASE = 40000
@@ -285,7 +281,7 @@ class RoleSupervisor:
             age = time.time() - request.stat().st_mtime
         except FileNotFoundError:
             return False
-        if age <= max(self.checkpoint_budget_s(), TERM_CHECKPOINT_S) + SUPERVISE_S:
+        if age <= term_budget_s(self.cfg) + SUPERVISE_S:
             return True
         if self.runs("trainer"):
             self.log.warning("removing a stale checkpoint request (%.0f s old)", age)
@@ -294,7 +290,7 @@ class RoleSupervisor:
 
     def checkpoint_budget_s(self) -> float:
         """How long the trainer may take to checkpoint when warned of the time limit."""
-        return max(10.0, self.cfg.cluster.signal_delay_s - 30.0)
+        return checkpoint_budget_s(self.cfg)
 
     def finished(self, done: list[Child]) -> bool:
         """Whether this node's part of the run is over: a trainer node's once its trainer is
@@ -382,16 +378,17 @@ class RoleSupervisor:
         self.log.warning(
             "SIGTERM from %s: this job is being cancelled, requeued or preempted", self.scheduler
         )
-        self.checkpoint_and_stop(max(TERM_CHECKPOINT_S, self.checkpoint_budget_s()))
+        self.checkpoint_and_stop(term_budget_s(self.cfg))
 
     # --- stop ---------------------------------------------------------------------------
 
-    def checkpoint_and_stop(self, budget: float) -> None:
+    def checkpoint_and_stop(self, budget: float, together: bool | None = None) -> None:
         """The trainer checkpoints at the step it is on (waited for up to `budget` seconds);
         the other roles keep their place in the run directory (queue store, orchestrator
-        through the queue) and stop. In a run that is one job every node is told together:
-        the queue and the inference servers then wait for the trainer's checkpoint (the step
-        under way needs them) before they stop."""
+        through the queue) and stop. Where every node is told `together` (a run that is one
+        Slurm job, a time limit), the queue and the inference servers wait for the trainer's
+        checkpoint (the step under way needs them) before they stop."""
+        together = self.stops_together if together is None else together
         self.stopping = True
         if self.runs("trainer") and self.children:
             self.rundir.checkpoint_request.touch()
@@ -403,7 +400,7 @@ class RoleSupervisor:
                 self.log.info("trainer checkpointed at step %s; stopping", marker.read_text())
             else:
                 self.log.warning("trainer stopped without checkpointing (waited %.0f s)", budget)
-        elif self.stops_together and self.children and self.trainer_first_node() >= 0:
+        elif together and self.children and self.trainer_first_node() >= 0:
             self.rundir.checkpoint_request.touch()
             deadline = time.monotonic() + budget
             ended = (self.rundir.checkpointed, self.rundir.complete, self.rundir.failure)

@@ -131,6 +131,15 @@ class Advantage(StrEnum):
     rloo = "rloo"
 
 
+class KubeClient(StrEnum):
+    """What applies a Kubernetes run's objects."""
+
+    python = "python"
+    """The official `kubernetes` Python client (the kubeconfig `kubectl` uses)."""
+    kubectl = "kubectl"
+    """`kubectl apply`, `get` and `delete` on the command line."""
+
+
 class Allocation(StrEnum):
     """How a Slurm run's roles are submitted."""
 
@@ -152,6 +161,7 @@ class Placement(StrEnum):
 
 class Action(StrEnum):
     run = "run"
+    manifests = "manifests"
     status = "status"
     cancel = "cancel"
     export = "export"
@@ -509,13 +519,14 @@ class EnvironmentConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where the run executes: this machine, or a Slurm cluster through submitit."""
+    """Where the run executes: this machine, a Slurm cluster through submitit, or a
+    Kubernetes cluster."""
 
     name: str = MISSING
     """Option name."""
     kind: str = "local"
-    """Where the run's processes start (launcher/clusters/): `local` (child processes here) or
-    `slurm` (jobs submitted with submitit)."""
+    """Where the run's processes start (launcher/clusters/): `local` (child processes here),
+    `slurm` (jobs submitted with submitit) or `kubernetes` (Indexed Jobs or a JobSet)."""
     nodes: int = 1
     """Nodes available to one run (local: 1)."""
     gpus_per_node: int | None = None
@@ -611,6 +622,40 @@ class ClusterConfig:
     max_requeues: int | None = bounded(None, ge=0)
     """Slurm: how often a job that reached its time limit is requeued (preemptions always
     are); None: no limit, as each requeue resumes from the checkpoint it wrote."""
+    image: str | None = None
+    """Kubernetes: the container image every pod runs, with Relay installed and on PATH
+    (launcher/clusters/kubernetes/Dockerfile builds one)."""
+    volume_claim: str | None = None
+    """Kubernetes: the ReadWriteMany PersistentVolumeClaim holding the run directories,
+    mounted at `mount_path` in every pod."""
+    mount_path: str = "/relay"
+    """Kubernetes: where each pod mounts `volume_claim`; a run's directory is a folder of it."""
+    namespace: str = "default"
+    """Kubernetes: the namespace the run's objects are created in."""
+    queue: str | None = None
+    """Kubernetes: the Kueue LocalQueue admitting the run (its `kueue.x-k8s.io/queue-name`
+    label; the objects are created suspended, and Kueue starts them whole or not at all)."""
+    jobset: bool = False
+    """Kubernetes: the run's Jobs as one JobSet (jobset.x-k8s.io), admitted and restarted as
+    one, instead of an Indexed Job and a headless Service per job."""
+    rdma_resource: str | None = None
+    """Kubernetes: the extended resource of a node's RDMA or SR-IOV devices each pod asks for
+    (`rdma/rdma_shared_device_a`, `nvidia.com/hostdev`); it also gets IPC_LOCK."""
+    rdma_per_node: int = bounded(1, ge=1)
+    """Kubernetes: how many of `rdma_resource` each pod asks for."""
+    networks: list[str] = field(default_factory=list)
+    """Kubernetes: Multus network attachments each pod joins (its
+    `k8s.v1.cni.cncf.io/networks` annotation)."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Kubernetes: labels a node must have to run the run's pods."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Kubernetes: the pods' tolerations, as the API writes them (`{key: nvidia.com/gpu,
+    operator: Exists, effect: NoSchedule}`)."""
+    priority_class: str | None = None
+    """Kubernetes: the pods' PriorityClass (who preempts whom)."""
+    client: KubeClient = KubeClient.python
+    """Kubernetes: what applies, lists and deletes the run's objects: the `kubernetes` Python
+    client or `kubectl`."""
 
 
 @dataclass

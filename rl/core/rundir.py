@@ -39,7 +39,10 @@ reads; what the processes keep for each other lives in `.relay/`:
                            the orchestrator as it starts (the queue and trainer check them)
         control/           the supervisor's checkpoint request and the trainer's answer
         kv/, replicas/     prefill/decode hand-over files; nodes of a spanning vLLM replica
-        jobs.json, failure.json, complete, done/<role>, ended/   Slurm runs
+        jobs.json, failure.json, complete, done/<role>, ended/   Slurm runs (Kubernetes
+                           runs all but jobs.json)
+        kubernetes.json    a Kubernetes run, where it was submitted from: its objects
+        submission         a Kubernetes run, on the volume: the submission it holds
 
 A sweep with shared inference (`inference.shared`) keeps, beside its points' run directories,
 `inference/` (the service's run directory: its config, token, addresses, logs) and `base/`
@@ -725,6 +728,17 @@ class RunDir:
     def failure(self) -> Path:
         """Why the run ended early (written once: the first job to notice wins)."""
         return self.internal / "failure.json"
+
+    @property
+    def kubernetes(self) -> Path:
+        """A Kubernetes run's record where it was submitted from: its namespace, name on the
+        cluster, objects and submission count."""
+        return self.internal / "kubernetes.json"
+
+    @property
+    def submission(self) -> Path:
+        """On a Kubernetes run's volume: the submission whose config the directory holds."""
+        return self.internal / "submission"
 
     def record_failure(self, reason: str, job: str | None = None) -> bool:
         """Record why the run ended, once (the first job to notice wins); True if this call

@@ -4,19 +4,17 @@ supervisor (supervisor.py); a sweep's shared base and shared inference as jobs o
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from launcher.clusters.base import Cluster, Job, Process
+from launcher.clusters.layout import node_layout
 from launcher.clusters.slurm.jobs import (
     node_env_line,
-    one_allocation,
     sbatch_flags,
     setup_lines,
-    slurm_jobs,
     srun_args,
 )
-from launcher.plan.costs.fit import Footprint, inference_nodes
+from launcher.plan.costs.fit import Footprint
 from launcher.plan.costs.step_time import SLURM_MAX_SIGNAL_S
 from launcher.plan.planner import RunPlan, shell_join
 from rl.core.rundir import RunDir
@@ -26,11 +24,7 @@ class Slurm(Cluster):
     spans_nodes = True
 
     def place(self, size: Footprint, processes: list[Process]) -> tuple[list[Process], list[Job]]:
-        jobs = slurm_jobs(self.cfg, size)
-        if one_allocation(self.cfg):  # the trainer on the nodes after the inference nodes;
-            serving = inference_nodes(self.cfg, size.replica_nodes)  # the control beside the
-            processes = [in_one_job(proc, serving) for proc in processes]  # first replica
-        return processes, jobs
+        return node_layout(self.cfg, size, processes)
 
     def describe(self, run_plan: RunPlan) -> list[str]:
         cfg = self.cfg
@@ -69,6 +63,11 @@ class Slurm(Cluster):
 
         check_ended(run)
 
+    def cancel(self, run: RunDir, force: bool) -> None:
+        from launcher.clusters.slurm.submit import cancel
+
+        cancel(run, force)
+
     def start_base(self, run: RunDir) -> str | None:
         from launcher.sweeps.base import submitted_base
 
@@ -78,10 +77,3 @@ class Slurm(Cluster):
         from launcher.sweeps.shared import submit_shared
 
         return submit_shared(points, sweep_dir, token, self.cfg)
-
-
-def in_one_job(proc: Process, serving: int) -> Process:
-    """A process of a run that is one Slurm job: the trainer on the nodes after the
-    `serving` inference nodes; the queue and orchestrator beside the first replica."""
-    node = proc.node + serving if proc.role == "trainer" else proc.node
-    return replace(proc, job="run", node=node)

@@ -1,11 +1,9 @@
 """A Slurm run's jobs: what each asks of Slurm, and what its script does before its step.
 
-By default (`cluster.allocation=one`) a run is one job. Its nodes are split by role: first the
-inference replicas' nodes (the queue and the orchestrator run beside the first replica), then
-the trainer's. Every role starts once all the nodes are granted, or none does, and a requeue
-moves them together. `per_role` keeps a control job (queue and orchestrator, no GPUs), an
-inference job and a trainer job, whose supervisors wait for each other
-(`timeouts.co_start_s`); a sweep sharing one inference service is always laid out so.
+The jobs and the nodes of each role come from launcher/clusters/layout.py. With one job
+(`cluster.allocation=one`) every role starts once all the nodes are granted, or none does, and
+a requeue moves them together; per_role jobs' supervisors wait for each other
+(`timeouts.co_start_s`).
 
 What each job asks:
 - `--requeue` always: a site's JobRequeue default may be off, and a preempted or timed-out run
@@ -30,81 +28,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.clusters.base import Job, node_env
-from launcher.plan.costs.fit import Footprint, inference_nodes, pd_factor, per_node, replica_gpus
-from rl.core.config import Allocation
-
-CONTROL_CPUS = 8
-CONTROL_MEM_GB = 32
-"""A per_role control job's share of a node (queue and orchestrator)."""
 
 UNLIMITED_REQUEUES = 10**6
 """submitit's bound on requeues after a time limit where `cluster.max_requeues` sets none."""
-
-
-def one_allocation(cfg: DictConfig) -> bool:
-    """Whether the run is one Slurm job (`cluster.allocation=one`, no shared inference)."""
-    return cfg.cluster.allocation == Allocation.one and not cfg.inference.shared
-
-
-def slurm_jobs(cfg: DictConfig, size: Footprint) -> list[Job]:
-    """The run's jobs with the plan's resources: one, or per role."""
-    gpus = cfg.cluster.gpus_per_node
-    serving = inference_nodes(cfg, size.replica_nodes)
-    instances = cfg.parallel.inference.replicas * pd_factor(cfg)
-    # GPUs per inference node: only those its instances use (the rest stay free for others)
-    if size.replica_nodes > 1:
-        used = gpus
-    else:
-        used = min(instances, per_node(cfg, size.replica_nodes)) * replica_gpus(cfg)
-    ranks = size.mesh["world"] // size.trainer_nodes if gpus else 0
-    if one_allocation(cfg):
-        return [node_job(cfg, "run", serving + size.trainer_nodes, max(used, ranks))]
-    return [
-        control_job(cfg),
-        node_job(cfg, "inference", serving, used),
-        node_job(cfg, "trainer", size.trainer_nodes, ranks),
-    ]
-
-
-def node_job(cfg: DictConfig, name: str, nodes: int, gpus: int) -> Job:
-    """A job of GPU (or CPU) nodes: whole nodes, exclusive and with all their memory, where it
-    uses every GPU of each; otherwise the share of a node's CPUs and memory its GPUs are."""
-    c = cfg.cluster
-    whole = not c.gpus_per_node or gpus >= c.gpus_per_node
-    share = 1.0 if whole else gpus / c.gpus_per_node
-    gpu_nodes = bool(c.gpus_per_node) and whole
-    return Job(
-        name=name,
-        nodes=nodes,
-        gpus_per_node=gpus,
-        cpus_per_task=max(1, int(c.cpus_per_node * share)),
-        mem_gb=0 if gpu_nodes else max(1, int(c.mem_gb_per_node * share)),
-        time_min=c.time_min,
-        partition=c.partition,
-        account=c.account,
-        qos=c.qos,
-        constraint=c.constraint,
-        sbatch_extra=dict(c.sbatch_extra),
-        exclusive=gpu_nodes or bool(c.exclusive),
-    )
-
-
-def control_job(cfg: DictConfig) -> Job:
-    """A per_role run's control job: the queue and the orchestrator, no GPUs, with the
-    `cluster.cpu_*` options only (not the GPU jobs' constraint, QOS or extra options)."""
-    c = cfg.cluster
-    return Job(
-        name="control",
-        nodes=1,
-        gpus_per_node=0,
-        cpus_per_task=min(CONTROL_CPUS, c.cpus_per_node),
-        mem_gb=min(CONTROL_MEM_GB, c.mem_gb_per_node),
-        time_min=c.time_min,
-        partition=c.cpu_partition or c.partition,
-        account=c.cpu_account or c.account,
-        qos=c.cpu_qos,
-        constraint=None,
-    )
 
 
 def job_name(run_name: str, job: Job, point: int | None) -> str:

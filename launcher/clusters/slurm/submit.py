@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import submitit
 from omegaconf import DictConfig, open_dict
@@ -46,7 +45,7 @@ from launcher.clusters.slurm.supervisor import JobRoles
 from launcher.errors import ConfigError
 from launcher.plan.planner import RunPlan
 from launcher.watch.report import override, sweep_group
-from launcher.watch.status import find_run, format_status
+from launcher.watch.status import format_status
 from rl.core.rundir import RunDir, sweep_point
 
 CANCEL_CHECKPOINT_S = 60.0
@@ -306,12 +305,11 @@ def submit_together(
         print(f"status: uv run rl action=status {override('run_dir', run.root)}")
 
 
-def cancel(run_dir: str | None, outputs: Path, force: bool = False) -> None:
+def cancel(run: RunDir, force: bool = False) -> None:
     """Cancel the run's jobs (`action=cancel`), recording who did, and show its status. A
     running trainer is first asked to checkpoint the step under way (as Ctrl-C asks a local
     run), waited for up to the plan's estimate of a step and a checkpoint, so that a resume
     loses no step; `force` cancels at once."""
-    run = find_run(run_dir, outputs)
     ids = read_jobs(run)
     if not ids:
         raise ConfigError(f"run_dir={run.root}: not a Slurm run (no {run.jobs.name})")
