@@ -50,7 +50,7 @@ def test_a_registered_cluster_plans_a_run(elsewhere: object) -> None:
 
 def test_an_unknown_cluster_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(
-        PlanError, match=r"cluster.kind=nowhere: no such cluster; known: local, slurm"
+        PlanError, match=r"cluster.kind=nowhere: no such cluster; known: kubernetes, local, slurm"
     ):
         plan(compose_run("cluster.kind=nowhere"))
 

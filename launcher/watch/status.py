@@ -42,6 +42,8 @@ def fast_status(argv: list[str]) -> bool:
         if key != "run_dir" or not PLAIN_VALUE.match(value) or value == "null":
             return False
         run_dir = value.strip("'\"")
+    if run_dir and RunDir(Path(run_dir)).kubernetes.exists():
+        return False  # its state is the cluster's: asked through the API (launcher/run.py)
     try:
         status(run_dir, outputs_folder())
     except ConfigError as err:

@@ -28,13 +28,7 @@ def models() -> Any:
 
 def from_json(data: Any, model: str) -> Any:
     """The API's JSON answer as the client's model `model` (`V1JobList`, `V1Pod`, ...)."""
-    client = models()
-
-    class Answer:  # what ApiClient.deserialize reads
-        def __init__(self, text: str) -> None:
-            self.data = text
-
-    return client.ApiClient().deserialize(Answer(json.dumps(data)), model)
+    return models().ApiClient().deserialize(json.dumps(data), model, "application/json")
 
 
 class Api:

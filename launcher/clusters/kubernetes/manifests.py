@@ -181,7 +181,16 @@ def job_set(cfg: Any, plan: dict[str, Any], jobs: list[Job], rid: str) -> dict[s
     meta = metadata(cfg, rid, rid)
     spec: dict[str, Any] = {
         "network": {"enableDNSHostnames": True, "subdomain": rid, "publishNotReadyAddresses": True},
-        "failurePolicy": {"maxRestarts": int(cfg.max_restarts)},
+        "failurePolicy": {  # a Job failed by its pod failure policy: the run ended
+            "maxRestarts": int(cfg.max_restarts),
+            "rules": [
+                {
+                    "name": "RunEnded",
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                }
+            ],
+        },
         "replicatedJobs": replicated,
     }
     if cfg.cluster.queue:
