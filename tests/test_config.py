@@ -45,7 +45,8 @@ def test_named_options_exist() -> None:
         "minimax_m2",
     }
     assert set(options("parallel")) >= {"single", "fsdp", "hsdp", "ep8", "cp2"}
-    assert set(options("cluster")) == {"local", "slurm", "slurm_cpu", "kubernetes", "kubernetes_cpu"}
+    clusters = {"local", "slurm", "slurm_cpu", "kubernetes", "kubernetes_cpu"}
+    assert set(options("cluster")) == clusters
 
 
 def test_real_model_facts() -> None:
