@@ -29,7 +29,8 @@ FOOTER = """\
 A description that goes on ends in (more: rl --help <key>): that prints it whole, and
 rl --help <group or section> every description in it (e.g. rl --help algorithm).
 dry_run=true prints the plan without starting anything; action=status shows the newest run;
-resume=<run dir> continues one. Docs: README.md, docs/."""
+resume=<run dir> continues one; with cluster=kubernetes, action=manifests prints the run's
+objects. Docs: README.md, docs/."""
 WIDTH = 90
 """Of a setting's description in the list; `rl --help <key>` wraps it whole to this width."""
 

@@ -488,3 +488,60 @@ def test_a_live_cluster_runs_the_tiny_run(tmp_path: Path) -> None:
             break
         time.sleep(10)
     assert status.stdout.splitlines()[0].endswith(": finished"), status.stdout
+
+
+# --- the pod's own part --------------------------------------------------------------------
+
+
+def config_folder(tmp_path: Path, submission: int, max_steps: int) -> Path:
+    """A ConfigMap's files as a pod mounts them, for the tiny run."""
+    from launcher.clusters.kubernetes.manifests import config_files
+    from launcher.plan.planner import plan
+    from tests.support.runs import compose_run
+
+    planned = plan(compose_run("cluster=kubernetes_cpu", f"max_steps={max_steps}"))
+    from omegaconf import OmegaConf
+
+    files = config_files(
+        OmegaConf.to_yaml(planned.config, resolve=True), planned.to_json(), ["x=1"], submission
+    )
+    folder = tmp_path / f"config{submission}-{max_steps}"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_the_first_pod_brings_the_run_directory_to_its_submission(tmp_path: Path) -> None:
+    """The first submission creates the run directory (a token, the overrides); another pod
+    waits for it. A resubmission (`rl resume=`) writes its config and clears what the ended
+    one left, so that the run goes on; a recreated first pod changes nothing."""
+    from launcher.clusters.kubernetes.pod import prepare
+    from launcher.errors import ConfigError
+
+    run = RunDir(tmp_path / "run")
+    prepare(run, config_folder(tmp_path, 1, 20), first=True)
+    token = run.token()
+    assert run.is_run() and run.submission.read_text() == "1" and run.overrides() == ["x=1"]
+    assert run.load_config().max_steps == 20
+    prepare(run, config_folder(tmp_path, 1, 99), first=True)  # recreated: nothing rewritten
+    assert run.load_config().max_steps == 20
+    run.complete.touch()
+    run.mark_done("trainer")
+    run.record_failure("cancelled")
+    later = config_folder(tmp_path, 2, 40)
+    import launcher.clusters.kubernetes.pod as pod
+
+    waiting = pod.SETUP_WAIT_S
+    pod.SETUP_WAIT_S = 0.0
+    try:
+        with pytest.raises(ConfigError, match="the first pod did not prepare"):
+            prepare(run, later, first=False)  # the first pod has not yet
+    finally:
+        pod.SETUP_WAIT_S = waiting
+    prepare(run, later, first=True)
+    assert run.submission.read_text() == "2" and run.token() == token
+    assert run.load_config().max_steps == 40 and not run.edited_config()
+    assert not run.complete.exists() and not run.done("trainer").exists()
+    assert not run.failure.exists() and (run.ended / "failure-0.json").exists()
+    prepare(run, later, first=False)  # ready: returns at once
