@@ -179,8 +179,10 @@ def resume(cfg: DictConfig, target: Path) -> None:
     run_plan = plan(cfg_now)  # refuses a setting that cannot work, before anything changes
     cfg_now = run_plan.config
     check_this_machine(cfg_now)
-    check_weights(cfg_now)
-    cluster_of(cfg_now).check_ended(run)
+    cluster = cluster_of(cfg_now)
+    if cluster.sees_files:
+        check_weights(cfg_now)
+    cluster.check_ended(run)
     warn_of_disk(cfg_now, run.root, max(step_versions(run.checkpoints), default=0))
     if changed:
         run.write_config(OmegaConf.to_yaml(config))
@@ -188,8 +190,8 @@ def resume(cfg: DictConfig, target: Path) -> None:
         run.add_overrides([f"{key}={value}" for key, value in changes.items()])
     for marker in (run.summary, run.complete):  # an extended run is open again
         marker.unlink(missing_ok=True)
-    _say_where_it_resumes(run, steps, changed)
-    cluster_of(cfg_now).resume(run_plan, run)
+    _say_where_it_resumes(run, steps, changed, cluster.sees_files)
+    cluster.resume(run_plan, run)
 
 
 GROUPS = ("model", "parallel", "algorithm", "environment", "cluster", "placement", "experiment")
@@ -225,6 +227,8 @@ def eval_config(cfg: DictConfig, outputs: Path) -> DictConfig:
 def warn_of_disk(cfg: Any, run_dir: Path, done: int = 0) -> None:
     """Say so (on stderr, before the run starts) when the run directory's filesystem has less
     free space than the run's checkpoints and weights will take (launcher/plan/checks.py)."""
+    if not cluster_of(cfg).sees_files:  # the run's files are on the cluster's volume
+        return
     if warning := disk_warning(cfg, run_dir, done):
         print(warning, file=sys.stderr, flush=True)
 
@@ -258,9 +262,10 @@ def _resume_changes(cfg: DictConfig, target: Path) -> dict[str, Any]:
     return changes
 
 
-def _say_where_it_resumes(run: RunDir, steps: int, changed: list[str]) -> None:
+def _say_where_it_resumes(run: RunDir, steps: int, changed: list[str], seen: bool) -> None:
     note = f"; {', '.join(changed)}" if changed else ""
-    print(f"resuming {run.root} at {run.resume_point()} (of {steps}){note}", flush=True)
+    where = run.resume_point() if seen else "its newest checkpoint on the cluster's volume"
+    print(f"resuming {run.root} at {where} (of {steps}){note}", flush=True)
 
 
 def export(run_dir: str | None, outputs: Path, step: int | None = None) -> None:

@@ -294,9 +294,7 @@ def test_the_pods_train_a_run_and_a_preempted_trainer_resumes(tmp_path: Path) ->
     finally:
         runner.close()
     assert ends == {job: "complete"}
-    assert [p.proc.returncode for p in runner.jobs[job].ended] == [143, 0, 0] or sorted(
-        p.proc.returncode for p in runner.jobs[job].ended
-    ) == [0, 0, 143]
+    assert sorted(p.proc.returncode for p in runner.jobs[job].ended) == [0, 0, 143]
     stopped = int(re.search(r"trainer checkpointed at step (\d+)", first.log.read_text())[1])
     trainer_log = (run_dir / "logs" / "trainer-node0.log").read_text()
     assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in trainer_log
@@ -308,6 +306,124 @@ def test_the_pods_train_a_run_and_a_preempted_trainer_resumes(tmp_path: Path) ->
     assert json.loads(run.summary.read_text())["status"] == "finished"
     assert run.submission.read_text() == "1"
     assert f"{job}-0." not in Path("/etc/hosts").read_text()  # the runner's names are gone
+
+
+FAKE_KUBECTL = """#!/bin/sh
+# kubectl as a cluster whose API the test plays: `create -f -` keeps each object, `get`
+# answers from the state the test wrote, `delete` removes it.
+state={state}
+case "$1" in
+  create) n=$(ls "$state/created" | wc -l); cat > "$state/created/$(printf %03d "$n").json";;
+  get) if [ -f "$state/$2.json" ]; then cat "$state/$2.json";
+       else echo '{{"apiVersion": "v1", "kind": "List", "items": []}}'; fi;;
+  delete) echo "$*" >> "$state/deleted"; rm -f "$state/jobs.json" "$state/pods.json";;
+esac
+"""
+
+
+def fake_kubectl(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    state = tmp_path / "api"
+    (state / "created").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text(FAKE_KUBECTL.format(state=state))
+    (bin_dir / "kubectl").chmod(0o755)
+    return state, {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def created_since(state: Path, first: int) -> str:
+    """The objects `rl` created from the `first`-th on, as one YAML stream."""
+    files = sorted((state / "created").glob("*.json"))[first:]
+    return "---\n".join(yaml.safe_dump(json.loads(f.read_text())) for f in files)
+
+
+def answer_with(state: Path, runner: PodRunner) -> None:
+    """What the API would say of the runner's Jobs and pods once they have ended."""
+    items, pods = [], []
+    for job in runner.jobs.values():
+        if job.failed:
+            ended = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}
+            ended["message"] = job.failed
+        else:
+            ended = {"type": "Complete", "status": "True"}
+        status = {"failed": len(job.ended), "conditions": [ended]}
+        items.append({"metadata": job.obj["metadata"], "spec": job.obj["spec"], "status": status})
+        for pod in job.ended:
+            code = pod.proc.returncode
+            container = {"name": "supervisor", "ready": False, "restartCount": 0, "image": "i",
+                         "imageID": "", "state": {"terminated": {"exitCode": code}}}  # fmt: skip
+            phase = "Succeeded" if code == 0 else "Failed"
+            pods.append(
+                {"metadata": {"name": pod.name},
+                 "status": {"phase": phase, "containerStatuses": [container]}}
+            )  # fmt: skip
+    (state / "jobs.json").write_text(json.dumps({"kind": "JobList", "items": items}))
+    (state / "pods.json").write_text(json.dumps({"kind": "PodList", "items": pods}))
+
+
+@pytest.mark.skipif(not hosts_writable(), reason="the pod runner resolves pod names in /etc/hosts")
+def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path) -> None:
+    """`rl` submits the run (through kubectl, played by a script); its pods run. Kubernetes
+    warns no one of a deadline: at `cluster.time_min` less `signal_delay_s` the supervisors
+    stop the run themselves, the trainer checkpointing the step it is on, and exit 4, which
+    fails the Job at once. `rl action=status` says so; `rl resume=` deletes the ended objects
+    and creates them as submission 2, whose first pod opens the run directory again, and the
+    run ends complete with every step recorded once."""
+    state, path = fake_kubectl(tmp_path)
+    env = {**os.environ, **path, "WANDB_MODE": "offline"}
+
+    def rl_here(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([RL, *args], cwd=tmp_path, capture_output=True, text=True, env=env)
+
+    limit = ["cluster.time_min=1", "cluster.signal_delay_s=25", "trainer.checkpoint_every=0"]
+    done = rl_here(*RUNS["tiny"], "cluster.client=kubectl", "warmup.steps=10", "max_steps=5000",
+                   *limit, f"hydra.run.dir={tmp_path}/out/run")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = Path(done.stdout.split("run record: ", 1)[1].splitlines()[0])
+    assert "created Job " in done.stdout and (record / ".relay" / "kubernetes.json").exists()
+    first = PodRunner(created_since(state, 0), tmp_path / "cluster1")
+    try:
+        first.start_all()
+        (job,) = first.jobs
+        ends = first.wait_ended(300)
+    finally:
+        first.close()
+    assert ends == {job: f"failed ({first.jobs[job].failed})"}
+    assert "exited 4" in first.jobs[job].failed  # the FailJob rule, not a backoff
+    run_dir = (
+        next(iter(first.claims.values()))
+        / json.loads((record / ".relay" / "kubernetes.json").read_text())["run"]
+    )
+    stopped = train_steps(run_dir)[-1]
+    trainer_log = (run_dir / "logs" / "trainer-node0.log").read_text()
+    assert f"checkpointed at step {stopped}" in trainer_log
+    assert 0 < stopped < 5000 and not RunDir(run_dir).failure.exists()
+    answer_with(state, first)
+    status = rl_here("action=status", f"run_dir={record}")
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[0] == (
+        f"run {record}: stopped at the time limit (cluster.time_min), after a checkpoint"
+    )
+    assert "exit 4 (stopped at the time limit)" in status.stdout
+    made = len(list((state / "created").glob("*.json")))
+    resumed = rl_here(f"resume={record}", f"max_steps={stopped + 6}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "--cascade=foreground" in (state / "deleted").read_text()
+    again = created_since(state, made)
+    config_map = objects(again)[0]
+    assert config_map["data"]["submission"] == "2"
+    second = PodRunner(again, tmp_path / "cluster2", claims=tmp_path / "cluster1" / "claims")
+    try:
+        second.start_all()
+        assert second.wait_ended(300) == {job: "complete"}
+    finally:
+        second.close()
+    assert train_steps(run_dir) == list(range(1, stopped + 7))
+    trainer_log = (run_dir / "logs" / "trainer-node0.log").read_text()
+    assert f"continuing at step {stopped + 1}" in trainer_log
+    run = RunDir(run_dir)
+    assert run.submission.read_text() == "2" and run.load_config().max_steps == stopped + 6
+    assert json.loads(run.summary.read_text())["status"] == "finished"
 
 
 # --- the API, answered with the client's models ---------------------------------------------
@@ -466,6 +582,28 @@ def test_kubectl_answers_as_the_python_client(tmp_path: Path, monkeypatch) -> No
     assert len(api.pods("ml", "relay.dev/run=x")) == 2
     with pytest.raises(kube_api.KubeError, match="kubectl delete job: Error from server"):
         api.delete("Job", "x", "ml")
+
+
+def test_an_api_server_that_does_not_answer_leaves_no_run(tmp_path: Path) -> None:
+    """The kubeconfig's server refuses connections (a loopback port nothing listens on): one
+    line naming the object it was creating, and no run record left behind."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "here",
+            "clusters": [{"name": "here", "cluster": {"server": "https://127.0.0.1:1"}}],
+            "contexts": [{"name": "here", "context": {"cluster": "here", "user": "me"}}],
+            "users": [{"name": "me", "user": {"token": "t"}}],
+        })
+    )  # fmt: skip
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "WANDB_MODE": "offline"}
+    args = [RL, *RUNS["tiny"], f"hydra.run.dir={tmp_path}/out/run"]
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: submission failed, nothing left created: create ConfigMap ")
+    assert "the API server did not answer" in last
+    assert not (tmp_path / "out" / "run").exists()
 
 
 @pytest.mark.skipif(

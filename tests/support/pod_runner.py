@@ -69,9 +69,12 @@ class JobState:
 class PodRunner:
     """The objects of one run, played here under `root`."""
 
-    def __init__(self, stream: str, root: Path, namespace: str = "default") -> None:
+    def __init__(
+        self, stream: str, root: Path, namespace: str = "default", claims: Path | None = None
+    ) -> None:
         self.objects = [obj for obj in yaml.safe_load_all(stream) if obj]
         self.root, self.namespace = root, namespace
+        self.claims_root = claims or root / "claims"  # another runner's: the same volumes
         self.claims: dict[str, Path] = {}
         self.config_maps: dict[str, Path] = {}
         for obj in self.by_kind("ConfigMap"):
@@ -127,7 +130,7 @@ class PodRunner:
             volume = volumes[mount["name"]]
             if "persistentVolumeClaim" in volume:
                 claim = volume["persistentVolumeClaim"]["claimName"]
-                folder = self.claims.setdefault(claim, self.root / "claims" / claim)
+                folder = self.claims.setdefault(claim, self.claims_root / claim)
                 folder.mkdir(parents=True, exist_ok=True)
             elif "configMap" in volume:
                 folder = self.config_maps[volume["configMap"]["name"]]
@@ -137,9 +140,6 @@ class PodRunner:
                 raise NotImplementedError(f"volume {volume}")
             found[mount["mountPath"]] = folder
         return found
-
-    def claim(self, name: str) -> Path:
-        return self.claims[name]
 
     def start(self, job: str, index: int) -> Pod:
         """Create the pod of `job`'s `index` and start its container."""

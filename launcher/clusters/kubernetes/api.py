@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from launcher.clusters.kubernetes.manifests import JOBSET_API
 from launcher.errors import ConfigError
 
 KUBECTL_TIMEOUT_S = 60
@@ -97,8 +100,6 @@ class PythonApi(Api):
                 elif kind == "Job":
                     self.batch.delete_namespaced_job(name, namespace, body=body)
                 else:
-                    from launcher.clusters.kubernetes.manifests import JOBSET_API
-
                     group, version = JOBSET_API.split("/")
                     self.custom.delete_namespaced_custom_object(
                         group, version, namespace, plural(kind), name, body=body
@@ -160,25 +161,18 @@ def plural(kind: str) -> str:
     return kind.lower() + "s"
 
 
-class answered:
-    """Turns the client's exceptions into KubeError naming what was asked and why it failed."""
+@contextmanager
+def answered(what: str) -> Iterator[None]:
+    """The client's exceptions as KubeError, naming what was asked and why it failed."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
-        if err is None or isinstance(err, (KubeError, ConfigError)):
-            return False
-        from kubernetes.client.exceptions import ApiException
-
-        if isinstance(err, ApiException):
-            raise KubeError(f"{self.what}: {err.status} {api_reason(err)}") from err
-        if isinstance(err, OSError) or type(err).__module__.startswith("urllib3"):
-            raise KubeError(f"{self.what}: the API server did not answer ({err})") from err
-        return False
+    try:
+        yield
+    except ApiException as err:
+        raise KubeError(f"{what}: {err.status} {api_reason(err)}") from err
+    except (OSError, HTTPError) as err:
+        raise KubeError(f"{what}: the API server did not answer ({err})") from err
 
 
 def api_reason(err: Any) -> str:

@@ -33,10 +33,12 @@ class Kubernetes(Cluster):
         return node_layout(self.cfg, size, processes)
 
     def describe(self, run_plan: RunPlan) -> list[str]:
+        from hydra.core.hydra_config import HydraConfig
+
         from launcher.clusters.kubernetes.submit import run_name_of
 
         c = self.cfg.cluster
-        rid = run_name_of(run_plan)
+        rid = run_name_of(run_plan) if HydraConfig.initialized() else "<run>"
         lines = [
             f"kubernetes: namespace {c.namespace}, image {c.image or '<cluster.image>'}, run "
             f"directory {run_folder(self.cfg, rid)} on claim "
@@ -64,7 +66,7 @@ class Kubernetes(Cluster):
         return lines
 
     def notes(self) -> list[str]:
-        missing = [f"cluster.{key}" for key in REQUIRED if not self.cfg.cluster[key]]
+        missing = [f"cluster.{key}" for key in REQUIRED if not getattr(self.cfg.cluster, key)]
         if missing:
             return [f"{' and '.join(missing)} not set: needed to write or apply the objects"]
         return []
@@ -78,7 +80,7 @@ class Kubernetes(Cluster):
 
     def check_ready(self) -> None:
         """ConfigError naming what the objects need and the config lacks."""
-        missing = [key for key in REQUIRED if not self.cfg.cluster[key]]
+        missing = [key for key in REQUIRED if not getattr(self.cfg.cluster, key)]
         if missing:
             raise ConfigError(
                 f"cluster.{missing[0]}: not set; a Kubernetes run needs "

@@ -80,20 +80,17 @@ def run_folder(cfg: Any, rid: str) -> str:
     return f"{cfg.cluster.mount_path.rstrip('/')}/{rid}"
 
 
-def manifests(
-    cfg: Any, plan: dict[str, Any], jobs: list[Job], rid: str, files: dict[str, str]
-) -> list[dict[str, Any]]:
-    """The run's objects, in the order they are applied: its ConfigMap, then per job a
-    Service and an Indexed Job, or one JobSet. `plan` is the plan as the run directory
-    keeps it; `files` the ConfigMap's (config.yaml, plan.json, overrides.json,
-    submission)."""
+def manifests(cfg: Any, jobs: list[Job], rid: str, files: dict[str, str]) -> list[dict[str, Any]]:
+    """The run's objects, in the order they are applied: its ConfigMap, then per job of the
+    plan a Service and an Indexed Job, or one JobSet. `files` are the ConfigMap's
+    (`config_files`)."""
     objects = [config_map(cfg, rid, files)]
     if cfg.cluster.jobset:
-        return [*objects, job_set(cfg, plan, jobs, rid)]
+        return [*objects, job_set(cfg, jobs, rid)]
     for job in jobs:
         name = job_object(rid, job.name)
         objects.append(service(cfg, rid, job.name, name))
-        objects.append(indexed_job(cfg, plan, job, rid, name, name))
+        objects.append(indexed_job(cfg, job, rid, name, name))
     return objects
 
 
@@ -130,7 +127,6 @@ def service(cfg: Any, rid: str, job: str, name: str) -> dict[str, Any]:
 
 def indexed_job(
     cfg: Any,
-    plan: dict[str, Any],
     job: Job,
     rid: str,
     name: str,
@@ -169,13 +165,13 @@ def indexed_job(
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
 
 
-def job_set(cfg: Any, plan: dict[str, Any], jobs: list[Job], rid: str) -> dict[str, Any]:
+def job_set(cfg: Any, jobs: list[Job], rid: str) -> dict[str, Any]:
     """The run's jobs as one JobSet: admitted whole, and restarted whole (up to
     `max_restarts` times) when one of its Jobs fails for a reason other than the run's end."""
     replicated = []
     for job in jobs:
         pod_job = f"{rid}-{job.name}-0"  # JobSet names a replicated job's Job so
-        spec = indexed_job(cfg, plan, job, rid, pod_job, rid, queued=False)
+        spec = indexed_job(cfg, job, rid, pod_job, rid, queued=False)
         template = {"metadata": {"labels": spec["metadata"]["labels"]}, "spec": spec["spec"]}
         replicated.append({"name": job.name, "replicas": 1, "template": template})
     meta = metadata(cfg, rid, rid)
@@ -256,7 +252,7 @@ def container(cfg: Any, job: Job, rid: str, name: str, subdomain: str) -> dict[s
             requests[key] = limits[key]
     spec: dict[str, Any] = {
         "name": CONTAINER,
-        "image": c.image or "<cluster.image>",
+        "image": c.image,
         "command": ["python", "-m", "launcher.clusters.kubernetes.pod"],
         "args": ["--run-dir", run_folder(cfg, rid), "--config", CONFIG_PATH, "--job", job.name],
         "env": env,

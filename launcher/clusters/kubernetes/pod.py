@@ -75,7 +75,7 @@ class PodSupervisor(RoleSupervisor):
     def first_start(self) -> float:
         """When the first pod of this submission started (recorded once): the supervisors
         count `cluster.time_min` from it, their Jobs' deadlines from a little earlier."""
-        path = self.rundir.control / f"started.{submission_of(self.rundir)}"
+        path = self.rundir.control / f"deadline_from.{submission_of(self.rundir)}"
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:

@@ -59,12 +59,12 @@ def objects_of(
 ) -> list[dict[str, Any]]:
     """The run's objects for its `submission`-th submission."""
     plan_json = run_plan.to_json()
-    run_cfg = cfg.copy()  # what the pods run (action=manifests prints the same run)
+    run_cfg = OmegaConf.structured(cfg)  # a copy: what the pods run (action=manifests too)
     run_cfg.action = Action.run
     config_yaml = OmegaConf.to_yaml(run_cfg, resolve=True)
     files = config_files(config_yaml, plan_json, overrides, submission)
     rid = run_name_of(run_plan, run_dir)
-    return manifests(cfg, json.loads(plan_json), run_plan.jobs, rid, files)
+    return manifests(cfg, run_plan.jobs, rid, files)
 
 
 def write_record(run: RunDir, cfg: DictConfig, objects: list[dict[str, Any]], rid: str, n: int):
