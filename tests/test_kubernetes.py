@@ -247,6 +247,28 @@ def test_manifests_refuse_what_they_cannot_write(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("outputs/**/config.yaml"))
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("cluster.namespace=Team_A", "cluster.namespace: 'Team_A' is not a DNS label"),
+        ("cluster.queue=a/b", "cluster.queue: 'a/b' is not a label value"),
+        ("cluster.rdma_resource=ib", "cluster.rdma_resource: 'ib' is not an extended resource"),
+        ("cluster.mount_path=relay", "cluster.mount_path: 'relay': give an absolute path"),
+        ("cluster.tolerations=[{key: a, operatr: Exists}]", "cluster.tolerations: 'operatr' is"),
+        ("cluster.tolerations=[{key: a, effect: Never}]", "cluster.tolerations effect: 'Never'"),
+    ],
+)
+def test_settings_the_api_would_refuse_are_refused_at_plan_time(override: str, message: str):
+    """Before anything is written: one line naming the setting, not an API error later."""
+    from launcher.errors import PlanError
+    from launcher.plan.planner import plan
+    from tests.support.runs import compose_run
+
+    with pytest.raises(PlanError) as err:
+        plan(compose_run("cluster=kubernetes", override))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
 # --- the pods, as the kubelet runs them ----------------------------------------------------
 
 
@@ -488,8 +510,11 @@ def k8s_run(tmp_path: Path) -> RunDir:
 
 def test_status_reads_jobs_and_pods(tmp_path: Path) -> None:
     from launcher.clusters.kubernetes.submit import format_status
+    from launcher.watch.status import fast_status
 
     run = k8s_run(tmp_path)
+    # Not answered from the record alone (it holds no metrics): the cluster is asked.
+    assert not fast_status(["action=status", f"run_dir={run.root}"])
     running = format_status(run, recorded_api()).splitlines()
     assert running[0] == f"run {run.root}: running"
     assert "  Job reverse-text-tiny-1a2b3c4d-run: running, 0/2 pods done" in running

@@ -5,6 +5,7 @@ and deleted through the API (submit.py), each pod's roles started by its supervi
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from launcher.clusters.base import Cluster, Job, Process, term_budget_s
@@ -16,7 +17,7 @@ from launcher.clusters.kubernetes.manifests import (
     run_folder,
 )
 from launcher.clusters.layout import node_layout
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, refuse
 from launcher.plan.costs.fit import Footprint
 from launcher.plan.planner import RunPlan
 from rl.core.rundir import RunDir
@@ -30,6 +31,7 @@ class Kubernetes(Cluster):
     sees_files = False  # the pods read model.path and write the run on the cluster's volume
 
     def place(self, size: Footprint, processes: list[Process]) -> tuple[list[Process], list[Job]]:
+        check_settings(self.cfg.cluster)
         return node_layout(self.cfg, size, processes)
 
     def describe(self, run_plan: RunPlan) -> list[str]:
@@ -139,3 +141,45 @@ class Kubernetes(Cluster):
 def job_gpus(run_plan: RunPlan) -> str:
     gpus = {job.gpus_per_node for job in run_plan.jobs}
     return f"up to {max(gpus)} nvidia.com/gpu, " if any(gpus) else ""
+
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+TOLERATION = {
+    "key": None,
+    "operator": ("Exists", "Equal"),
+    "value": None,
+    "effect": ("NoSchedule", "PreferNoSchedule", "NoExecute"),
+    "tolerationSeconds": None,
+}
+
+
+def check_settings(c: Any) -> None:
+    """Refuse, naming the setting, what the API server would refuse in the objects."""
+    if not DNS_LABEL.match(c.namespace):
+        refuse("cluster.namespace", f"{c.namespace!r} is not a DNS label (a-z, 0-9, '-')")
+    if not c.mount_path.startswith("/"):
+        refuse("cluster.mount_path", f"{c.mount_path!r}: give an absolute path")
+    if c.queue is not None and not LABEL_VALUE.match(c.queue):
+        refuse("cluster.queue", f"{c.queue!r} is not a label value (63 characters at most)")
+    if c.rdma_resource is not None and not RESOURCE.match(c.rdma_resource):
+        refuse(
+            "cluster.rdma_resource",
+            f"{c.rdma_resource!r} is not an extended resource name (`domain/name`, such as "
+            f"rdma/ib or nvidia.com/hostdev)",
+        )
+    for network in c.networks:
+        if not DNS_LABEL.match(network.split("/")[-1]):
+            refuse("cluster.networks", f"{network!r} is not a network attachment's name")
+    for key, value in c.node_selector.items():
+        if not LABEL_VALUE.match(str(value)):
+            refuse(f"cluster.node_selector.{key}", f"{value!r} is not a label value")
+    for toleration in c.tolerations:
+        for key, value in toleration.items():
+            if key not in TOLERATION:
+                refuse("cluster.tolerations", f"{key!r} is not a toleration's field (it has: "
+                       f"{', '.join(TOLERATION)})")  # fmt: skip
+            allowed = TOLERATION[key]
+            if allowed is not None and value not in allowed:
+                refuse(f"cluster.tolerations {key}", f"{value!r}: one of {', '.join(allowed)}")
