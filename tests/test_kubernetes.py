@@ -48,6 +48,7 @@ RUNS = {
         "cluster.rdma_per_node=8", "cluster.networks=[ib-a,ib-b]",
         "+cluster.node_selector.pool=h100", "cluster.priority_class=training",
         "cluster.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+        "+cluster.env.NCCL_IB_HCA=mlx5",
     ],
     "jobset": ["cluster=kubernetes_cpu", *IMAGE, "cluster.allocation=per_role",
                "cluster.jobset=true", "cluster.queue=team-a"],
@@ -179,6 +180,7 @@ def test_the_sites_options_reach_every_pod(streams: dict[str, str]) -> None:
         (container,) = pod["containers"]
         assert container["resources"]["limits"]["rdma/ib"] == 8
         assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+        assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in container["env"]
     control = next(
         d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-control")
     )

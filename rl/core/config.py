@@ -566,8 +566,8 @@ class ClusterConfig:
     `per_role` submits a control, an inference and a trainer job, whose supervisors wait up
     to `timeouts.co_start_s` for each other. A sweep sharing inference is always per_role."""
     env: dict[str, str] = field(default_factory=dict)
-    """Slurm: variables exported in every job before its step (`NCCL_IB_HCA`,
-    `UCX_NET_DEVICES`, ...)."""
+    """Variables every role sees (`NCCL_IB_HCA`, `UCX_NET_DEVICES`, ...): on Slurm exported in
+    every job before its step, on Kubernetes in every pod's environment."""
     setup: list[str] = field(default_factory=list)
     """Slurm: shell lines each job runs before its step (`module load cuda/12.4`,
     `ulimit -l unlimited`)."""
@@ -593,8 +593,9 @@ class ClusterConfig:
     cpu_qos: str | None = None
     """Slurm: the QOS of a per_role control job; None: none."""
     master_port: int | None = bounded(None, ge=1, le=MAX_PORT, text=f"must be 1 to {MAX_PORT}")
-    """torch.distributed rendezvous port on the first trainer node; None: 29500 locally, and on
-    Slurm a port derived from the trainer's job id, so runs sharing a node do not collide."""
+    """torch.distributed rendezvous port on the first trainer node; None: 29500 locally and on
+    Kubernetes (each pod has a network of its own), on Slurm a port the first trainer node
+    finds free, so runs sharing a node do not collide."""
     omp_threads: int | None = None
     """Threads per role process on CPU-only nodes; None: every CPU of the node on Slurm (each
     role group has nodes of its own), half of them locally (trainer and inference share)."""

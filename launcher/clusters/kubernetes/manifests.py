@@ -237,6 +237,7 @@ def container(cfg: Any, job: Job, rid: str, name: str, subdomain: str) -> dict[s
         {"name": "RELAY_JOB_NAME", "value": name},
         {"name": "RELAY_SUBDOMAIN", "value": subdomain},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": key, "value": str(value)} for key, value in c.env.items()),
     ]
     whole = job.mem_gb == 0
     cpus = max(1, int(job.cpus_per_task * (NODE_SHARE if whole else 1)))
