@@ -399,7 +399,7 @@ def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path)
     def rl_here(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([RL, *args], cwd=tmp_path, capture_output=True, text=True, env=env)
 
-    limit = ["cluster.time_min=1", "cluster.signal_delay_s=25", "trainer.checkpoint_every=0"]
+    limit = ["cluster.time_min=1", "cluster.signal_delay_s=30", "trainer.checkpoint_every=0"]
     done = rl_here(*RUNS["tiny"], "cluster.client=kubectl", "warmup.steps=10", "max_steps=5000",
                    *limit, f"hydra.run.dir={tmp_path}/out/run")  # fmt: skip
     assert done.returncode == 0, done.stderr
