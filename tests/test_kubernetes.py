@@ -387,12 +387,13 @@ def answer_with(state: Path, runner: PodRunner) -> None:
 
 @pytest.mark.skipif(not hosts_writable(), reason="the pod runner resolves pod names in /etc/hosts")
 def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path) -> None:
-    """`rl` submits the run (through kubectl, played by a script); its pods run. Kubernetes
-    warns no one of a deadline: at `cluster.time_min` less `signal_delay_s` the supervisors
-    stop the run themselves, the trainer checkpointing the step it is on, and exit 4, which
-    fails the Job at once. `rl action=status` says so; `rl resume=` deletes the ended objects
-    and creates them as submission 2, whose first pod opens the run directory again, and the
-    run ends complete with every step recorded once."""
+    """`rl` submits a per_role run (through kubectl, played by a script): a control, an
+    inference and a trainer Job, whose pods wait for each other. Kubernetes warns no one of a
+    deadline: at `cluster.time_min` less `signal_delay_s` the supervisors stop the run
+    themselves, the trainer checkpointing the step it is on, and exit 4, which fails each Job
+    at once. `rl action=status` says so; `rl resume=` deletes the ended objects and creates
+    them as submission 2, whose first pod opens the run directory again while the others
+    wait for it, and the run ends complete with every step recorded once."""
     state, path = fake_kubectl(tmp_path)
     env = {**os.environ, **path, "WANDB_MODE": "offline"}
 
@@ -400,20 +401,21 @@ def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path)
         return subprocess.run([RL, *args], cwd=tmp_path, capture_output=True, text=True, env=env)
 
     limit = ["cluster.time_min=1", "cluster.signal_delay_s=30", "trainer.checkpoint_every=0"]
-    done = rl_here(*RUNS["tiny"], "cluster.client=kubectl", "warmup.steps=10", "max_steps=5000",
-                   *limit, f"hydra.run.dir={tmp_path}/out/run")  # fmt: skip
+    done = rl_here(*RUNS["tiny"], "cluster.client=kubectl", "cluster.allocation=per_role",
+                   "warmup.steps=10", "max_steps=5000", *limit,
+                   f"hydra.run.dir={tmp_path}/out/run")  # fmt: skip
     assert done.returncode == 0, done.stderr
     record = Path(done.stdout.split("run record: ", 1)[1].splitlines()[0])
     assert "created Job " in done.stdout and (record / ".relay" / "kubernetes.json").exists()
     first = PodRunner(created_since(state, 0), tmp_path / "cluster1")
     try:
         first.start_all()
-        (job,) = first.jobs
         ends = first.wait_ended(300)
     finally:
         first.close()
-    assert ends == {job: f"failed ({first.jobs[job].failed})"}
-    assert "exited 4" in first.jobs[job].failed  # the FailJob rule, not a backoff
+    assert [name.rsplit("-", 1)[1] for name in ends] == ["control", "inference", "trainer"]
+    for name, ended in first.jobs.items():  # the FailJob rule, not a backoff
+        assert ends[name] == f"failed ({ended.failed})" and "exited 4" in ended.failed
     run_dir = (
         next(iter(first.claims.values()))
         / json.loads((record / ".relay" / "kubernetes.json").read_text())["run"]
@@ -439,7 +441,7 @@ def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path)
     second = PodRunner(again, tmp_path / "cluster2", claims=tmp_path / "cluster1" / "claims")
     try:
         second.start_all()
-        assert second.wait_ended(300) == {job: "complete"}
+        assert set(second.wait_ended(300).values()) == {"complete"}
     finally:
         second.close()
     assert train_steps(run_dir) == list(range(1, stopped + 7))
@@ -447,6 +449,9 @@ def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path)
     assert f"continuing at step {stopped + 1}" in trainer_log
     run = RunDir(run_dir)
     assert run.submission.read_text() == "2" and run.load_config().max_steps == stopped + 6
+    marks = sorted(p.name for p in run.control.glob("started.*.*"))  # each job's, each time
+    assert marks == [f"started.{job}.{n}" for job in ("control", "inference", "trainer")
+                     for n in (1, 2)]  # fmt: skip
     assert json.loads(run.summary.read_text())["status"] == "finished"
 
 
