@@ -207,6 +207,12 @@ def eval_config(cfg: DictConfig, outputs: Path) -> DictConfig:
 
     run = find_run(cfg.run_dir, outputs)
     config = OmegaConf.merge(OmegaConf.structured(RunConfig), run.load_config())
+    if not cluster_of(config).sees_files:  # its weights are on the cluster's volume
+        raise ConfigError(
+            f"action=eval run_dir={run.root}: a run on cluster={config.cluster.name}, whose "
+            f"weights this machine does not see; start a run from them there instead "
+            f"(model.path=<its run directory on the volume>/weights/step_N max_steps=0)"
+        )
     for requested in given_overrides(("action", "run_dir", "step", "hydra.")):
         key = requested.key_or_group
         if key in GROUPS or requested.is_delete():

@@ -503,7 +503,9 @@ def recorded_api(**answers: str) -> kube_api.PythonApi:
 def k8s_run(tmp_path: Path) -> RunDir:
     run = RunDir(tmp_path / "run")
     run.internal.mkdir(parents=True)
-    run.config.write_text("cluster:\n  kind: kubernetes\n")
+    run.config.write_text(
+        "name: reverse_text-tiny\ncluster:\n  name: kubernetes\n  kind: kubernetes\n"
+    )
     record = {
         "namespace": "ml", "run": "reverse-text-tiny-1a2b3c4d", "client": "python",
         "submission": 1,
@@ -592,6 +594,30 @@ def test_cancel_deletes_the_jobs_first_in_the_foreground(tmp_path: Path, capsys)
     ):
         check_ended(run, recorded_api())
     check_ended(run, recorded_api(jobs="jobs_failed"))
+
+
+def test_commands_that_need_the_runs_files_refuse_a_kubernetes_record(tmp_path: Path) -> None:
+    """The record holds no weights (they are on the cluster's volume): `action=eval` says so
+    in one line, and `action=cancel` goes to the cluster (here: no kubeconfig to reach it)."""
+    run = k8s_run(tmp_path)
+    run.token_file.write_text("t")
+    evaluated = rl(tmp_path, "action=eval", f"run_dir={run.root}")
+    assert evaluated.returncode == 2 and evaluated.stdout == ""
+    assert (
+        evaluated.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: action=eval run_dir={run.root}: a run on cluster=kubernetes, whose weights"
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    env["KUBECONFIG"] = str(tmp_path / "none")  # and not inside a cluster's pod either
+    cancelled = subprocess.run(
+        [RL, "action=cancel", f"run_dir={run.root}"], cwd=tmp_path, capture_output=True,
+        text=True, env=env,
+    )  # fmt: skip
+    assert cancelled.returncode == 2
+    assert "cluster.client=python: no kubeconfig" in cancelled.stderr
 
 
 def test_kubectl_answers_as_the_python_client(tmp_path: Path, monkeypatch) -> None:
