@@ -8,6 +8,7 @@ kubeconfig `kubectl` uses, or the pod's service account inside a cluster), and `
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,6 +71,8 @@ class PythonApi(Api):
                     f"cluster.client=python: no kubeconfig and not inside a cluster ({err}); "
                     f"point KUBECONFIG at the cluster's"
                 ) from None
+        # urllib3 warns of each retry on its own line; what failed is said once, as KubeError
+        logging.getLogger("urllib3").setLevel(logging.ERROR)
         self.core, self.batch = client.CoreV1Api(), client.BatchV1Api()
         self.custom = client.CustomObjectsApi()
 

@@ -67,7 +67,9 @@ def objects_of(
     return manifests(cfg, run_plan.jobs, rid, files)
 
 
-def write_record(run: RunDir, cfg: DictConfig, objects: list[dict[str, Any]], rid: str, n: int):
+def write_record(
+    run: RunDir, cfg: DictConfig, objects: list[dict[str, Any]], rid: str, n: int
+) -> None:
     record = {
         "namespace": cfg.cluster.namespace,
         "run": rid,
