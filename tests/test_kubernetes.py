@@ -48,7 +48,7 @@ RUNS = {
         "cluster.rdma_per_node=8", "cluster.networks=[ib-a,ib-b]",
         "+cluster.node_selector.pool=h100", "cluster.priority_class=training",
         "cluster.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
-        "+cluster.env.NCCL_IB_HCA=mlx5",
+        "+cluster.env.NCCL_IB_HCA=mlx5", "+cluster.secrets.WANDB_API_KEY=wandb/api-key",
     ],
     "jobset": ["cluster=kubernetes_cpu", *IMAGE, "cluster.allocation=per_role",
                "cluster.jobset=true", "cluster.queue=team-a"],
@@ -181,6 +181,8 @@ def test_the_sites_options_reach_every_pod(streams: dict[str, str]) -> None:
         assert container["resources"]["limits"]["rdma/ib"] == 8
         assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
         assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in container["env"]
+        secret = {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
+        assert {"name": "WANDB_API_KEY", "valueFrom": secret} in container["env"]
     control = next(
         d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-control")
     )
@@ -256,6 +258,7 @@ def test_manifests_refuse_what_they_cannot_write(tmp_path: Path) -> None:
         ("cluster.queue=a/b", "cluster.queue: 'a/b' is not a label value"),
         ("cluster.rdma_resource=ib", "cluster.rdma_resource: 'ib' is not an extended resource"),
         ("cluster.mount_path=relay", "cluster.mount_path: 'relay': give an absolute path"),
+        ("+cluster.secrets.KEY=wandb", "cluster.secrets.KEY: 'wandb': give <secret>/<key>"),
         ("cluster.tolerations=[{key: a, operatr: Exists}]", "cluster.tolerations: 'operatr' is"),
         ("cluster.tolerations=[{key: a, effect: Never}]", "cluster.tolerations effect: 'Never'"),
     ],

@@ -654,6 +654,9 @@ class ClusterConfig:
     operator: Exists, effect: NoSchedule}`)."""
     priority_class: str | None = None
     """Kubernetes: the pods' PriorityClass (who preempts whom)."""
+    secrets: dict[str, str] = field(default_factory=dict)
+    """Kubernetes: variables each pod reads from a Secret, as `NAME: <secret>/<key>`
+    (`WANDB_API_KEY: wandb/api-key`), so that no key is written in the objects."""
     client: KubeClient = KubeClient.python
     """Kubernetes: what applies, lists and deletes the run's objects: the `kubernetes` Python
     client or `kubectl`."""

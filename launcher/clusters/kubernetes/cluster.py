@@ -146,6 +146,8 @@ def job_gpus(run_plan: RunPlan) -> str:
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+SECRET_KEY = re.compile(r"^[-._A-Za-z0-9]+$")
 TOLERATION = {
     "key": None,
     "operator": ("Exists", "Equal"),
@@ -172,6 +174,10 @@ def check_settings(c: Any) -> None:
     for network in c.networks:
         if not DNS_LABEL.match(network.split("/")[-1]):
             refuse("cluster.networks", f"{network!r} is not a network attachment's name")
+    for name, ref in c.secrets.items():
+        secret, _, key = ref.partition("/")
+        if not DNS_SUBDOMAIN.match(secret) or not SECRET_KEY.match(key):
+            refuse(f"cluster.secrets.{name}", f"{ref!r}: give <secret>/<key>, as wandb/api-key")
     for key, value in c.node_selector.items():
         if not LABEL_VALUE.match(str(value)):
             refuse(f"cluster.node_selector.{key}", f"{value!r} is not a label value")

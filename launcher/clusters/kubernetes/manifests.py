@@ -227,6 +227,12 @@ def field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def secret_env(name: str, ref: str) -> dict[str, Any]:
+    """A variable read from a Secret's key (`<secret>/<key>`)."""
+    secret, key = ref.split("/", 1)
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
 def container(cfg: Any, job: Job, rid: str, name: str, subdomain: str) -> dict[str, Any]:
     """The supervisor's container: its pod's identity from the Downward API (the index comes
     as `JOB_COMPLETION_INDEX`), the pod's share of a node, GPUs and RDMA devices."""
@@ -238,6 +244,7 @@ def container(cfg: Any, job: Job, rid: str, name: str, subdomain: str) -> dict[s
         {"name": "RELAY_SUBDOMAIN", "value": subdomain},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         *({"name": key, "value": str(value)} for key, value in c.env.items()),
+        *(secret_env(name, ref) for name, ref in c.secrets.items()),
     ]
     whole = job.mem_gb == 0
     cpus = max(1, int(job.cpus_per_task * (NODE_SHARE if whole else 1)))
