@@ -458,6 +458,28 @@ def test_the_time_limit_stops_the_run_and_rl_resume_continues_it(tmp_path: Path)
     assert json.loads(run.summary.read_text())["status"] == "finished"
 
 
+@pytest.mark.skipif(not hosts_writable(), reason="the pod runner resolves pod names in /etc/hosts")
+def test_a_jobsets_pods_find_each_other_and_finish(tmp_path: Path) -> None:
+    """cluster.jobset=true, per role: the three Jobs the JobSet controller makes, their pods
+    named in the JobSet's subdomain (the trainer's rendezvous among them), wait for each
+    other and end complete, every step once."""
+    done = rl(tmp_path, *RUNS["jobset"], "warmup.steps=10", "max_steps=10",
+              "action=manifests", f"hydra.run.dir={tmp_path}/out/run")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    runner = PodRunner(done.stdout, tmp_path / "cluster")
+    rid = objects(done.stdout)[1]["metadata"]["name"]
+    assert list(runner.jobs) == [f"{rid}-{job}-0" for job in ("control", "inference", "trainer")]
+    try:
+        runner.start_all()
+        assert set(runner.wait_ended(300).values()) == {"complete"}
+    finally:
+        runner.close()
+    run_dir = next(iter(runner.claims.values())) / rid
+    assert train_steps(run_dir) == list(range(1, 11))
+    (trainer_pod,) = runner.jobs[f"{rid}-trainer-0"].ended
+    assert f"--master-addr {rid}-trainer-0-0.{rid} " in trainer_pod.log.read_text()
+
+
 # --- the API, answered with the client's models ---------------------------------------------
 
 
@@ -470,16 +492,22 @@ class Recorded:
     API's JSON read into the client's models, and keeping every call."""
 
     def __init__(
-        self, jobs: str = "jobs_running", pods: str = "pods_running", refuse: str = ""
+        self,
+        jobs: str = "jobs_running",
+        pods: str = "pods_running",
+        refuse: str = "",
+        interrupt: str = "",
     ) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self.jobs, self.pods, self.refuse = jobs, pods, refuse
+        self.jobs, self.pods, self.refuse, self.interrupt = jobs, pods, refuse, interrupt
 
     def __getattr__(self, method: str):
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append((method, (args, kwargs)))
             from kubernetes.client.exceptions import ApiException
 
+            if self.interrupt and method.endswith(self.interrupt):
+                raise KeyboardInterrupt  # Ctrl-C while the client waits for the API
             if self.refuse and method.endswith(self.refuse):
                 err = ApiException(status=409, reason="Conflict")
                 err.body = json.dumps(response("status_conflict"))
@@ -543,6 +571,16 @@ def test_status_reads_jobs_and_pods(tmp_path: Path) -> None:
     assert "Failed, exit 143 (stopped on SIGTERM), disrupted (PreemptionByScheduler)" in preempted
 
 
+def three_objects() -> list[dict[str, Any]]:
+    """A ConfigMap, a Service and a Job, as `create_all` gets them."""
+    meta = {"namespace": "ml"}
+    kinds = ("ConfigMap", "Service", "Job")
+    return [
+        {"kind": kind, "apiVersion": "v1", "metadata": {**meta, "name": f"r-{kind.lower()}"}}
+        for kind in kinds
+    ]
+
+
 def test_a_refused_object_leaves_nothing_created() -> None:
     """The Job is refused (409): the ConfigMap and Service created before it are deleted
     again, at once, and the error names the object and the API's message."""
@@ -550,14 +588,7 @@ def test_a_refused_object_leaves_nothing_created() -> None:
     from launcher.errors import ConfigError
 
     api = recorded_api(refuse="namespaced_job")
-    docs = [
-        {
-            "kind": kind,
-            "apiVersion": "v1",
-            "metadata": {"name": f"r-{kind.lower()}", "namespace": "ml"},
-        }
-        for kind in ("ConfigMap", "Service", "Job")
-    ]
+    docs = three_objects()
     with pytest.raises(
         ConfigError, match=r'create Job r-job: 409 jobs.batch "r-job" already exists'
     ):
@@ -569,6 +600,17 @@ def test_a_refused_object_leaves_nothing_created() -> None:
     ]  # fmt: skip
     deleted = api.core.calls[3][1][1]["body"]
     assert deleted.propagation_policy == "Foreground" and deleted.grace_period_seconds == 0
+
+
+def test_ctrl_c_between_two_objects_leaves_nothing_created() -> None:
+    from launcher.clusters.kubernetes.submit import create_all
+
+    api = recorded_api(interrupt="create_namespaced_job")
+    docs = three_objects()
+    with pytest.raises(KeyboardInterrupt):
+        create_all(api, docs)
+    deleted = [name for name, _ in api.core.calls if name.startswith("delete")]
+    assert deleted == ["delete_namespaced_service", "delete_namespaced_config_map"]
 
 
 def test_cancel_deletes_the_jobs_first_in_the_foreground(tmp_path: Path, capsys) -> None:

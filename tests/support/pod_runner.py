@@ -19,12 +19,16 @@ Kubernetes run is written as (`rl ... action=manifests`), so that the pods run a
   unless the policy fails the Job or `backoffLimit` is spent; the Job is complete once every
   index has succeeded.
 
-Only what the tests use is played: Indexed Jobs with one container, their Services and
-ConfigMaps, PersistentVolumeClaim, ConfigMap and emptyDir volumes.
+- a JobSet: the Jobs its controller creates from each replicated job, their pods in its
+  subdomain (its controller's own Service); its failure policy is not played.
+
+Only what the tests use is played: Indexed Jobs with one container, JobSets of them, their
+Services and ConfigMaps, PersistentVolumeClaim, ConfigMap and emptyDir volumes.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import signal
@@ -84,6 +88,9 @@ class PodRunner:
                 (folder / name).write_text(text)
             self.config_maps[obj["metadata"]["name"]] = folder
         self.jobs = {obj["metadata"]["name"]: JobState(obj) for obj in self.by_kind("Job")}
+        for jobset in self.by_kind("JobSet"):
+            for job in jobset_jobs(jobset):
+                self.jobs[job["metadata"]["name"]] = JobState(job)
         self.hosts_added = self.resolve_services()
 
     def by_kind(self, kind: str) -> list[dict[str, Any]]:
@@ -94,6 +101,7 @@ class PodRunner:
     def resolve_services(self) -> list[str]:
         """/etc/hosts lines for every pod name the Services give (added now)."""
         services = {obj["metadata"]["name"] for obj in self.by_kind("Service")}
+        services |= {jobset_subdomain(obj) for obj in self.by_kind("JobSet")}  # its own
         lines = []
         for name, state in self.jobs.items():
             spec = state.obj["spec"]
@@ -256,6 +264,25 @@ class PodRunner:
                 return ends
             time.sleep(0.5)
         raise AssertionError(f"the Jobs did not end within {timeout:.0f} s")
+
+
+def jobset_subdomain(jobset: dict[str, Any]) -> str:
+    return jobset["spec"].get("network", {}).get("subdomain") or jobset["metadata"]["name"]
+
+
+def jobset_jobs(jobset: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Jobs the JobSet controller creates: `<jobset>-<replicated job>-<i>` for each
+    replica, from its template, their pods in the JobSet's subdomain."""
+    jobs = []
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        for i in range(replicated.get("replicas", 1)):
+            template = copy.deepcopy(replicated["template"])
+            template["spec"]["template"]["spec"]["subdomain"] = jobset_subdomain(jobset)
+            name = f"{jobset['metadata']['name']}-{replicated['name']}-{i}"
+            meta = {**template.get("metadata", {}), "name": name}
+            jobs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+                         "spec": template["spec"]})  # fmt: skip
+    return jobs
 
 
 def policy_action(spec: dict[str, Any], code: int, disrupted: bool) -> str:

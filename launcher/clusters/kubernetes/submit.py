@@ -96,14 +96,16 @@ def create_all(api: Api, objects: list[dict[str, Any]]) -> None:
         for obj in objects:
             api.create(obj)
             made.append(obj)
-    except (KubeError, ConfigError) as err:
+    except BaseException as err:  # a refusal, or Ctrl-C between two objects
         for obj in reversed(made):
             meta = obj["metadata"]
             try:
                 api.delete(obj["kind"], meta["name"], meta["namespace"], grace_s=0)
             except KubeError:
                 pass
-        raise ConfigError(f"submission failed, nothing left created: {err}") from None
+        if isinstance(err, (KubeError, ConfigError)):
+            raise ConfigError(f"submission failed, nothing left created: {err}") from None
+        raise
 
 
 def submit(cfg: DictConfig, run_plan: RunPlan) -> RunDir:
