@@ -237,6 +237,26 @@ def test_a_jobset_holds_the_jobs_and_validates(streams: dict[str, str], tmp_path
         jsonschema.validate(broken, SCHEMA)
 
 
+def test_a_dry_run_names_the_objects(tmp_path: Path) -> None:
+    """As for Slurm, the plan's jobs, then what each becomes on the cluster; nothing is
+    created and no kubeconfig is needed."""
+    args = ["model=glm5", "parallel=ep8", "cluster=kubernetes", "cluster.queue=team-a"]
+    done = rl(tmp_path, *args, "dry_run=true", f"hydra.run.dir={tmp_path}/out/run")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("job "))) + 1].split() == [
+        "run", "29", "8", "96", "all", "1440m", "default/team-a",
+    ]  # fmt: skip
+    rid = re.search(r"objects labelled relay.dev/run=(\S+)", done.stdout)[1]
+    assert f"Job {rid}-run: Indexed, 29 pods at once; headless Service {rid}-run" in lines
+    assert "kueue: queue team-a, created suspended until admitted whole" in lines
+    assert (
+        "note: cluster.image and cluster.volume_claim not set: needed to write or apply "
+        "the objects" in lines
+    )
+    assert not (tmp_path / "out" / "run").exists()
+
+
 def test_manifests_refuse_what_they_cannot_write(tmp_path: Path) -> None:
     """No image or claim, or a cluster with no objects: one line on stderr, nothing on
     stdout (a pipe into kubectl gets nothing)."""

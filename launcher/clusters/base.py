@@ -120,6 +120,13 @@ class Cluster:
         RunPlan) beyond their table: how they are submitted."""
         return []
 
+    where_label: ClassVar[str] = "where"
+    """The heading of the plan's job table's last column: where a job goes (`where`)."""
+
+    def where(self, job: Job) -> str:
+        """Where the scheduler puts `job`, as the plan's job table shows it."""
+        return "-"
+
     def notes(self) -> list[str]:
         """What a reader of the plan should know of this cluster."""
         return []

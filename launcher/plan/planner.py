@@ -374,17 +374,17 @@ def format_plan(p: RunPlan, cfg: DictConfig) -> str:
     if said := warm_up_line(cfg):
         lines.append(said)
     if p.jobs:
+        cluster = cluster_of(cfg)
         lines.append("")
         header = f"{'job':<10} {'nodes':>5} {'gpus/node':>9} {'cpus':>5} {'mem':>7} {'time':>6}"
-        lines.append(header + "  partition/account/qos")
+        lines.append(f"{header}  {cluster.where_label}")
         for j in p.jobs:
-            where = "/".join(str(x or "-") for x in (j.partition, j.account, j.qos))
             mem = f"{j.mem_gb}GB" if j.mem_gb else "all"
             lines.append(
                 f"{j.name:<10} {j.nodes:>5} {j.gpus_per_node:>9} {j.cpus_per_task:>5} "
-                f"{mem:>7} {j.time_min:>5}m  {where}"
+                f"{mem:>7} {j.time_min:>5}m  {cluster.where(j)}"
             )
-        lines += cluster_of(cfg).describe(p)
+        lines += cluster.describe(p)
     lines.append("")
     lines.append(f"{'process':<26} {'job':<10} {'node':>5} {'gpus/node':>9}  command")
     for proc in p.processes:

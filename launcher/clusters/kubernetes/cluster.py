@@ -34,6 +34,11 @@ class Kubernetes(Cluster):
         check_settings(self.cfg.cluster)
         return node_layout(self.cfg, size, processes)
 
+    where_label = "namespace/queue"
+
+    def where(self, job: Job) -> str:
+        return f"{self.cfg.cluster.namespace}/{self.cfg.cluster.queue or '-'}"
+
     def describe(self, run_plan: RunPlan) -> list[str]:
         from hydra.core.hydra_config import HydraConfig
 

@@ -35,6 +35,11 @@ class Slurm(Cluster):
             lines.append(f"srun: {shell_join(args)}")
         return [*lines, f"each node: {node_env_line(cfg)}"]
 
+    where_label = "partition/account/qos"
+
+    def where(self, job: Job) -> str:
+        return "/".join(str(x or "-") for x in (job.partition, job.account, job.qos))
+
     def notes(self) -> list[str]:
         if self.cfg.cluster.partition is None:
             return ["no cluster.partition: Slurm's default partition is used"]
