@@ -48,6 +48,10 @@ EXIT_TIME_LIMIT = 4
 """A supervisor's exit code when it stopped the run at `cluster.time_min`, after the trainer's
 checkpoint: the Job fails at once, and `rl action=resume` continues the run."""
 
+EXIT_TERMINATED = 128 + 15
+"""A supervisor's exit code after a SIGTERM (preemption, a drain, a cancel), the trainer having
+checkpointed: a disrupted pod is recreated."""
+
 START_ALLOWANCE_S = 600
 """What `activeDeadlineSeconds` allows beyond `cluster.time_min` for scheduling and pulling the
 image: Kubernetes counts from the Job's start, the supervisors from their first pod's."""

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.clusters.kubernetes.manifests import EXIT_RUN_ENDED, EXIT_TIME_LIMIT
+from launcher.clusters.kubernetes.manifests import EXIT_RUN_ENDED, EXIT_TERMINATED, EXIT_TIME_LIMIT
 from launcher.clusters.processes import FINISHING_ROLES
 from launcher.clusters.supervisor import PEER_POLL_S, RoleSupervisor, RunEnded
 from launcher.errors import ConfigError
@@ -38,7 +38,6 @@ from rl.core.rundir import RunDir, write_atomic
 
 DEFAULT_MASTER_PORT = 29500
 """The trainer's rendezvous port: each pod has its own network namespace, so a fixed one."""
-EXIT_TERMINATED = 128 + 15
 SETUP_WAIT_S = 600.0
 """How long a pod waits for the first pod to bring the run directory to its submission."""
 

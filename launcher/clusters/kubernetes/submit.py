@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.clusters.kubernetes.api import Api, KubeError, api_for
 from launcher.clusters.kubernetes.manifests import (
     EXIT_RUN_ENDED,
+    EXIT_TERMINATED,
     EXIT_TIME_LIMIT,
     LABEL,
     config_files,
@@ -186,7 +187,7 @@ EXITS = {
     0: "done",
     EXIT_RUN_ENDED: "the run ended",
     EXIT_TIME_LIMIT: "stopped at the time limit",
-    143: "stopped on SIGTERM",
+    EXIT_TERMINATED: "stopped on SIGTERM",
     137: "killed",
 }
 
@@ -237,7 +238,8 @@ def format_status(run: RunDir, api: Api | None = None) -> str:
         jobs, pods = api.jobs(ns, selector), api.pods(ns, selector)
     except KubeError as err:
         return f"run {run.root}: the cluster did not answer ({err})"
-    lines = [f"run {run.root}: {run_state(jobs, pods)}"]
+    state = run_state(jobs, pods)
+    lines = [f"run {run.root}: {state}"]
     lines.append(
         f"  on the cluster: {record['run']} in namespace {ns}, submission {record['submission']}"
     )
@@ -246,7 +248,7 @@ def format_status(run: RunDir, api: Api | None = None) -> str:
         lines.append(f"  Job {job.metadata.name}: {job_state(job)}, {done}/{total} pods done")
     for pod in sorted(pods, key=lambda p: p.metadata.name):
         lines.append(f"  pod {pod.metadata.name}: {pod_state(pod)}")
-    if run_state(jobs, pods) not in ("running", "pending", "queued", "finished"):
+    if state not in ("running", "pending", "queued", "finished"):
         lines.append(f"  resume: uv run rl {override('resume', run.root)}")
     return "\n".join(lines)
 
